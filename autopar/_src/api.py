@@ -1,0 +1,250 @@
+"""``@autoparallel``: trace, plan, partition, compile and run a train step."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from autopar._src import driver, partition, schedule, trace
+from autopar._src.plan import Plan, StagePlan
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """Options of :func:`autoparallel` (validated on construction)."""
+
+    num_microbatches: int = 1
+    """Microbatches each batch is split into (along the leading dim)."""
+    num_stages: int | Literal["auto"] = "auto"
+    """Pipeline stages, or ``"auto"`` to let autopar choose."""
+    batch_argnums: tuple[int, ...] = (1,)
+    """Positional arguments that hold the batch."""
+    devices: tuple[Any, ...] | None = None
+    """Devices to run on (default: ``jax.devices()``)."""
+    schedule: schedule.ScheduleName = "1f1b"
+    """Pipeline schedule."""
+    plan: Plan | None = None
+    """A plan to reuse instead of planning."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
+            raise ValueError(f"num_microbatches must be a positive int, got {self.num_microbatches!r}")
+        if self.num_stages != "auto" and (not isinstance(self.num_stages, int) or self.num_stages < 1):
+            raise ValueError(f"num_stages must be a positive int or 'auto', got {self.num_stages!r}")
+        if self.schedule not in schedule.SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {schedule.SCHEDULES}")
+        if any(not isinstance(a, int) for a in self.batch_argnums):
+            raise ValueError(f"batch_argnums must be ints, got {self.batch_argnums!r}")
+        if self.devices is not None and len(self.devices) == 0:
+            raise ValueError("devices is empty; pass at least one device or leave it as None")
+
+
+def autoparallel(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    num_microbatches: int = 1,
+    num_stages: int | Literal["auto"] = "auto",
+    batch_argnums: int | Sequence[int] = (1,),
+    devices: Sequence[Any] | None = None,
+    schedule: schedule.ScheduleName = "1f1b",
+    plan: Plan | None = None,
+) -> Any:
+    """Runs a single-device train step as a pipeline of sharded stages.
+
+    The step must compute its gradient with :func:`autopar.value_and_grad` (or
+    :func:`autopar.grad`); the loss is cut into layers, grouped into stages on
+    disjoint submeshes, and run per microbatch; everything else runs once per step
+    on the accumulated gradients. Results equal ``jax.jit(fn)`` up to float
+    rounding (for a loss that is a mean over the batch).
+
+    Example:
+      >>> @autopar.autoparallel(num_microbatches=4, num_stages=2)
+      ... def train_step(state, batch):
+      ...     loss, grads = autopar.value_and_grad(loss_fn)(state.params, batch)
+      ...     return state.apply_gradients(grads=grads), loss
+
+    Raises:
+      ValueError: for invalid options (here) or arguments (at the first call).
+    """
+    argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    options = Options(
+        num_microbatches=num_microbatches,
+        num_stages=num_stages,
+        batch_argnums=argnums,
+        devices=None if devices is None else tuple(devices),
+        schedule=schedule,
+        plan=plan,
+    )
+    if fn is None:
+        return functools.partial(_wrap, options=options)
+    return _wrap(fn, options=options)
+
+
+def _wrap(fn: Callable[..., Any], *, options: Options) -> AutoParallel:
+    return AutoParallel(fn, options)
+
+
+class AutoParallel:
+    """A train step wrapped by :func:`autoparallel`; call it like the step."""
+
+    def __init__(self, fn: Callable[..., Any], options: Options) -> None:
+        self.fn = fn
+        self.options = options
+        self._cache: dict[Any, driver.Executable] = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any) -> Any:
+        exe = self._executable(args)
+        leaves = jax.tree.leaves(args)
+        return jax.tree.unflatten(exe.step.out_tree, exe(leaves))
+
+    def plan(self, *args: Any) -> Plan:
+        """The plan for these arguments, without running the step."""
+        return self._executable(args).plan
+
+    def executable(self, *args: Any) -> driver.Executable:
+        """The compiled program for these arguments (for inspection)."""
+        return self._executable(args)
+
+    def _executable(self, args: tuple[Any, ...]) -> driver.Executable:
+        leaves, in_tree = jax.tree.flatten(args)
+        key = (in_tree, tuple(_aval_key(x) for x in leaves))
+        if key not in self._cache:
+            self._cache[key] = self._build(args)
+        return self._cache[key]
+
+    def _build(self, args: tuple[Any, ...]) -> driver.Executable:
+        opts = self.options
+        devices = list(opts.devices) if opts.devices is not None else jax.devices()
+        batch_ids, batch_size = _batch_leaves(args, opts.batch_argnums, opts.num_microbatches)
+        num_stages = _num_stages(opts, len(devices))
+        mb = batch_size // opts.num_microbatches if batch_size else 0
+        leaves, in_tree = jax.tree.flatten(args)
+        abstract = [
+            _abstract(x, mb if i in batch_ids else None) for i, x in enumerate(leaves)
+        ]
+        cuts = opts.plan.cuts if opts.plan is not None else None
+        step = trace.trace_step(
+            self.fn, jax.tree.unflatten(in_tree, abstract),
+            trace.TraceOptions(num_layers=num_stages, cuts=cuts),
+        )
+        region_at = step.region_index()
+        if region_at is None:
+            if opts.num_microbatches > 1 or num_stages > 1:
+                raise ValueError(
+                    f"num_microbatches={opts.num_microbatches} and num_stages={num_stages} need "
+                    "the step to compute its gradient with autopar.value_and_grad or autopar.grad "
+                    "(the step has none, e.g. it uses jax.grad); switch to autopar's, or use "
+                    "num_microbatches=1 and num_stages=1."
+                )
+            cut_list: tuple[int, ...] = ()
+            flops: tuple[float, ...] = (0.0,)
+        else:
+            info = step.jaxpr.eqns[region_at].params["info"]
+            cut_list, flops = info.cuts, info.layer_flops
+        plan = _make_plan(opts, cut_list, flops, num_stages, devices)
+        if opts.plan is not None and opts.plan != plan:
+            raise ValueError(
+                "The given plan does not match this step and these devices: expected "
+                f"{opts.plan!r}, this step gives {plan!r}."
+            )
+        program = partition.build_program(step, plan, batch_ids, mb)
+        meshes = driver.stage_meshes(plan, devices)
+        return driver.Executable(program=program, plan=plan, step=step, meshes=meshes,
+                                 batch_leaf_ids=tuple(batch_ids))
+
+
+def _aval_key(x: Any) -> Any:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return (tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False))
+    return (type(x).__name__,)
+
+
+def _abstract(x: Any, rows: int | None) -> Any:
+    aval = jax.typeof(x)
+    shape = tuple(aval.shape) if rows is None else (rows, *aval.shape[1:])
+    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _batch_leaves(args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int) -> tuple[list[int], int]:
+    """Flat indices of the batch leaves and the batch size; validates both."""
+    for a in argnums:
+        if not -len(args) <= a < len(args):
+            raise ValueError(
+                f"batch_argnums={argnums} names argument {a}, but the step got {len(args)} "
+                "positional arguments"
+            )
+    wanted = {a % len(args) for a in argnums}
+    ids: list[int] = []
+    sizes: dict[int, str] = {}
+    offset = 0
+    for pos, arg in enumerate(args):
+        path_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+        if pos in wanted:
+            for k, (path, leaf) in enumerate(path_leaves):
+                shape = np.shape(leaf)
+                name = f"argument {pos}{jax.tree_util.keystr(path)}"
+                if len(shape) == 0:
+                    raise ValueError(
+                        f"Batch leaf {name} is a scalar; batch arguments must have a leading batch "
+                        "dim. Move scalars out of batch_argnums."
+                    )
+                sizes.setdefault(shape[0], name)
+                ids.append(offset + k)
+        offset += len(path_leaves)
+    if len(sizes) > 1:
+        raise ValueError(
+            f"Batch leaves disagree on the batch size: {sorted(sizes)} (e.g. {list(sizes.values())}); "
+            "every leaf of the batch arguments needs the same leading dim."
+        )
+    size = next(iter(sizes), 0)
+    if size and size % nmb:
+        raise ValueError(
+            f"The batch size {size} is not divisible by num_microbatches={nmb}; choose a "
+            f"num_microbatches that divides {size}."
+        )
+    return ids, size
+
+
+def _num_stages(opts: Options, num_devices: int) -> int:
+    n = 1 if opts.num_stages == "auto" else opts.num_stages
+    if opts.plan is not None:
+        n = opts.plan.num_stages
+    if n > num_devices:
+        raise ValueError(f"num_stages={n} is more than the {num_devices} devices; use at most {num_devices}.")
+    if num_devices % n:
+        raise ValueError(
+            f"{num_devices} devices cannot be split evenly among num_stages={n}; choose a "
+            f"num_stages that divides {num_devices}, or pass devices= with a multiple of {n}."
+        )
+    return n
+
+
+def _make_plan(
+    opts: Options, cuts: tuple[int, ...], flops: tuple[float, ...], num_stages: int,
+    devices: Sequence[Any],
+) -> Plan:
+    per = len(devices) // num_stages
+    stages = tuple(
+        StagePlan(
+            layers=(i, i + 1),
+            device_ids=tuple(d.id for d in devices[i * per : (i + 1) * per]),
+            mesh_shape=(per,),
+            axis_names=(driver.DATA_AXIS,),
+            forward_flops=flops[i],
+        )
+        for i in range(num_stages)
+    )
+    return Plan(
+        num_microbatches=opts.num_microbatches,
+        schedule=opts.schedule,
+        cuts=cuts,
+        layer_flops=flops,
+        stages=stages,
+    )

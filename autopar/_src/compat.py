@@ -1,0 +1,130 @@
+"""The one place that touches version-dependent JAX internals.
+
+Everything else in autopar uses public APIs only. Supported: jax 0.10.x
+(Python 3.11) and jax 0.12.x (Python >= 3.12), where ``ClosedJaxpr`` merged into
+``Jaxpr`` and ``scan`` params changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+from jax.interpreters import ad, mlir
+
+Var = jcore.Var
+Literal = jcore.Literal
+DropVar = jcore.DropVar
+Primitive = jcore.Primitive
+JaxprEqn = jcore.JaxprEqn
+
+# Primitive names of a nested ``jax.jit`` call inside a jaxpr.
+_CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
+def jaxpr_and_consts(closed: Any) -> tuple[Any, list[Any]]:
+    """Splits a traced jaxpr into its open ``Jaxpr`` and its constants.
+
+    jax 0.10 returns a ``ClosedJaxpr`` (``.jaxpr`` and ``.consts``); jax 0.12 returns a
+    ``Jaxpr`` carrying ``.consts`` itself.
+    """
+    inner = getattr(closed, "jaxpr", None)
+    if inner is not None and inner is not closed:
+        return inner, list(closed.consts)
+    consts = getattr(closed, "consts", ())
+    return closed, list(consts)
+
+
+def is_literal(atom: Any) -> bool:
+    """Whether a jaxpr atom is a literal (a constant written inline)."""
+    return isinstance(atom, Literal)
+
+
+def is_dropvar(var: Any) -> bool:
+    """Whether an equation output is discarded."""
+    return isinstance(var, DropVar)
+
+
+def literal_value(atom: Any) -> Any:
+    """The value of a literal atom."""
+    return atom.val
+
+
+def is_call(eqn: Any) -> bool:
+    """Whether ``eqn`` is a nested ``jit`` call that may be inlined."""
+    return eqn.primitive.name in _CALL_PRIMITIVES and "jaxpr" in eqn.params
+
+
+def call_body(eqn: Any) -> tuple[Any, list[Any]]:
+    """The body jaxpr and constants of a nested ``jit`` call equation."""
+    body = eqn.params["jaxpr"]
+    if hasattr(body, "consts") or hasattr(body, "jaxpr"):
+        return jaxpr_and_consts(body)
+    return body, []
+
+
+def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    """Applies ``eqn``'s primitive to ``invals`` (as ``jax.core.eval_jaxpr`` does)."""
+    bound = eqn.primitive.get_bind_params(eqn.params)
+    # Older jax returned (subfuns, params); 0.10+ returns params only.
+    subfuns, params = bound if isinstance(bound, tuple) else ([], bound)
+    ctx = getattr(eqn, "ctx", None)
+    manager = getattr(ctx, "manager", None) if ctx is not None else None
+    if manager is not None:
+        with manager:
+            out = eqn.primitive.bind(*subfuns, *invals, **params)
+    else:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
+    """Evaluates an open jaxpr on ``consts`` and ``args``."""
+    env: dict[Any, Any] = {}
+
+    def read(a: Any) -> Any:
+        return literal_value(a) if is_literal(a) else env[a]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        outs = bind_eqn(eqn, [read(a) for a in eqn.invars])
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not is_dropvar(v):
+                env[v] = x
+    return [read(a) for a in jaxpr.outvars]
+
+
+def is_zero_cotangent(ct: Any) -> bool:
+    """Whether ``ct`` is JAX's symbolic zero (co)tangent."""
+    return type(ct) is ad.Zero
+
+
+def instantiate_zero(ct: Any) -> Any:
+    """Turns a symbolic zero (co)tangent into an array of zeros."""
+    return ad.instantiate_zeros(ct)
+
+
+def register_identity_rules(
+    prim: Primitive,
+    jvp: Callable[..., Any],
+    transpose: Callable[..., Any],
+) -> None:
+    """Registers JVP, transpose and an identity MLIR lowering for ``prim``."""
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transpose
+    mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))
+
+
+def register_lowering_from_fun(prim: Primitive, fun: Callable[..., Any]) -> None:
+    """Lowers ``prim`` by tracing the Python function ``fun``."""
+    mlir.register_lowering(prim, mlir.lower_fun(fun, multiple_results=prim.multiple_results))
+
+
+def aval_of(x: Any) -> Any:
+    """The abstract value (shape, dtype) of an array or tracer."""
+    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)

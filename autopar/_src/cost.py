@@ -1,0 +1,51 @@
+"""Per-equation cost estimates used to balance layers.
+
+Only heavy operations (``dot_general``, convolutions) count towards the FLOP
+balance, as in Alpa's layer clustering; nested jaxprs (custom_jvp, remat, scan,
+cond, while) are walked, a ``scan`` body counted ``length`` times.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.extend.core as jcore
+import numpy as np
+
+from autopar._src import compat
+
+
+def _prod(xs: Any) -> int:
+    return int(math.prod(int(x) for x in xs))
+
+
+def aval_bytes(aval: Any) -> int:
+    """Bytes of one array with abstract value ``aval`` (0 for tokens and the like)."""
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    return _prod(shape) * np.dtype(dtype).itemsize
+
+
+def eqn_flops(eqn: Any) -> float:
+    """FLOPs of the heavy operations in one equation (0 for light ones)."""
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs_shape = eqn.invars[0].aval.shape
+        k = _prod(lhs_shape[d] for d in lhs_contract)
+        return 2.0 * _prod(eqn.outvars[0].aval.shape) * k
+    if name == "conv_general_dilated":
+        rhs_shape = eqn.invars[1].aval.shape
+        dn = eqn.params["dimension_numbers"]
+        out_feature_dim = dn.rhs_spec[0]
+        per_output = _prod(rhs_shape) // max(int(rhs_shape[out_feature_dim]), 1)
+        return 2.0 * _prod(eqn.outvars[0].aval.shape) * per_output
+    total = 0.0
+    repeat = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
+    for sub in jcore.jaxprs_in_params(eqn.params):
+        body, _ = compat.jaxpr_and_consts(sub)
+        total += sum(eqn_flops(e) for e in body.eqns)
+    return repeat * total

@@ -1,0 +1,217 @@
+"""Compiles a program's tasks on their submeshes and runs a step.
+
+Each task becomes one ``jax.jit`` with explicit in/out ``NamedSharding`` on its
+stage's mesh; tasks with the same structure (the same equations on the same
+stage, e.g. the forward of microbatches 1..B-2) share one executable. Values move
+between submeshes with ``jax.device_put`` to the destination mesh with the same
+partition spec, so both sides hold identical per-device blocks and the copy is
+asynchronous. Dispatch never waits on a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar._src import compat
+from autopar._src.partition import Key, Op, Program, Run, Task
+from autopar._src.plan import Plan
+from autopar._src.trace import TracedStep
+
+DATA_AXIS = "data"
+
+
+def stage_meshes(plan: Plan, devices: Sequence[Any]) -> list[Mesh]:
+    """The mesh of every stage of ``plan`` over ``devices``.
+
+    Raises:
+      ValueError: if the plan names a device id that is not among ``devices``.
+    """
+    by_id = {d.id: d for d in devices}
+    meshes = []
+    for i, st in enumerate(plan.stages):
+        missing = [d for d in st.device_ids if d not in by_id]
+        if missing:
+            raise ValueError(
+                f"Plan stage {i} uses device ids {missing} that are not among the available "
+                f"devices {sorted(by_id)}; plan again for these devices."
+            )
+        grid = np.array([by_id[d] for d in st.device_ids], dtype=object).reshape(st.mesh_shape)
+        meshes.append(Mesh(grid, st.axis_names))
+    return meshes
+
+
+def _acc(op: Op, vals: list[Any]) -> Any:
+    if op.mode in ("only", "first"):
+        return vals[0]
+    total = vals[0] + vals[1]
+    return total / op.divisor if op.mode == "last" else total
+
+
+def _task_fn(task: Task) -> Callable[..., tuple[Any, ...]]:
+    ops, in_keys, out_keys = task.ops, task.in_keys, task.out_keys
+
+    def fn(*args: Any) -> tuple[Any, ...]:
+        env: dict[Key, Any] = dict(zip(in_keys, args, strict=True))
+
+        def read(a: Any) -> Any:
+            return env[a] if isinstance(a, tuple) else compat.literal_value(a)
+
+        for op in ops:
+            vals = [read(a) for a in op.ins]
+            outs = compat.bind_eqn(op.eqn, vals) if op.kind == "eqn" else [_acc(op, vals)]
+            for k, x in zip(op.outs, outs, strict=True):
+                if k is not None:
+                    env[k] = x
+        return tuple(env[k] for k in out_keys)
+
+    return fn
+
+
+def _signature(task: Task, specs_in: tuple[Any, ...], specs_out: tuple[Any, ...]) -> tuple[Any, ...]:
+    canon: dict[Key, int] = {}
+
+    def c(k: Any) -> Any:
+        return canon.setdefault(k, len(canon)) if isinstance(k, tuple) else ("literal", id(k))
+
+    ins = tuple(c(k) for k in task.in_keys)
+    ops = tuple(
+        (op.kind, id(op.eqn), op.mode, op.divisor, tuple(c(k) for k in op.ins),
+         tuple(None if k is None else c(k) for k in op.outs))
+        for op in task.ops
+    )
+    outs = tuple(c(k) for k in task.out_keys)
+    return (task.stage, ins, ops, outs, specs_in, specs_out)
+
+
+@dataclasses.dataclass(eq=False)
+class Executable:
+    """A program compiled for concrete devices."""
+
+    program: Program
+    plan: Plan
+    step: TracedStep
+    meshes: list[Mesh]
+    batch_leaf_ids: tuple[int, ...]
+    fns: list[Callable[..., Any]] = dataclasses.field(default_factory=list)
+    num_compiled: int = 0
+
+    def __post_init__(self) -> None:
+        self._arg_index = {v: i for i, v in enumerate(self.step.arg_vars)}
+        self._consts = dict(self.step.const_bindings)
+        self._placed_consts: dict[tuple[Key, int], Any] = {}
+        cache: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        for t in self.program.tasks:
+            s_in = tuple(self.spec(k, t.stage) for k in t.in_keys)
+            s_out = tuple(self.spec(k, t.stage) for k in t.out_keys)
+            sig = _signature(t, s_in, s_out)
+            if sig not in cache:
+                mesh = self.meshes[t.stage]
+                donate = tuple(i for i, k in enumerate(t.in_keys) if _is_accumulator(k))
+                cache[sig] = jax.jit(
+                    _task_fn(t),
+                    in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
+                    out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
+                    donate_argnums=donate,
+                )
+            self.fns.append(cache[sig])
+        self.num_compiled = len(cache)
+        self._unstack: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._runs = [self._compile_instr(ins) for ins in self.program.instrs]
+
+    # -- shardings ---------------------------------------------------------------------------
+    def spec(self, key: Key, stage: int) -> PartitionSpec:
+        """Partition spec of ``key`` on ``stage``: the batch dim split over data."""
+        var, tag = key
+        if not isinstance(tag, int) or isinstance(tag, bool):
+            return PartitionSpec()
+        shape = var.aval.shape
+        size = self.meshes[stage].shape[DATA_AXIS]
+        m = self.program.microbatch_size
+        if len(shape) >= 1 and shape[0] == m and m % size == 0:
+            return PartitionSpec(DATA_AXIS)
+        return PartitionSpec()
+
+    def sharding(self, key: Key, stage: int) -> NamedSharding:
+        """``NamedSharding`` of ``key`` on ``stage``'s mesh."""
+        return NamedSharding(self.meshes[stage], self.spec(key, stage))
+
+    # -- running -----------------------------------------------------------------------------
+    def _compile_instr(self, ins: Any) -> tuple[Any, ...]:
+        if isinstance(ins, Run):
+            t = self.program.tasks[ins.task]
+            return ("run", self.fns[ins.task], tuple((k, t.stage) for k in t.in_keys),
+                    tuple((k, t.stage) for k in t.out_keys), ins.frees)
+        return ("put", (ins.key, ins.src), (ins.key, ins.dst), self.sharding(ins.key, ins.dst), ins.frees)
+
+    def _place_inputs(self, leaves: Sequence[Any]) -> dict[tuple[Key, int], Any]:
+        env: dict[tuple[Key, int], Any] = {}
+        nmb = self.plan.num_microbatches
+        for key, stages in self.program.input_stages.items():
+            var, tag = key
+            for s in stages:
+                if (key, s) in env:
+                    continue
+                if var in self._consts:
+                    loc = (key, s)
+                    if loc not in self._placed_consts:
+                        self._placed_consts[loc] = jax.device_put(self._consts[var], self.sharding(key, s))
+                    env[loc] = self._placed_consts[loc]
+                elif tag is None:
+                    env[(key, s)] = jax.device_put(leaves[self._arg_index[var]], self.sharding(key, s))
+                elif nmb == 1:
+                    env[(key, s)] = jax.device_put(leaves[self._arg_index[var]], self.sharding(key, s))
+                else:
+                    parts = self._split(leaves[self._arg_index[var]], var, s)
+                    for j, part in enumerate(parts):
+                        if (var, j) in self.program.input_stages and s in self.program.input_stages[(var, j)]:
+                            env[((var, j), s)] = part
+        return env
+
+    def _split(self, x: Any, var: Any, stage: int) -> tuple[Any, ...]:
+        """Splits a batch leaf into microbatches on ``stage``'s mesh (rows stay local)."""
+        nmb = self.plan.num_microbatches
+        spec = self.spec((var, 0), stage)
+        stacked = (np if isinstance(x, np.ndarray) else jnp).reshape(x, (nmb, -1, *x.shape[1:]))
+        mesh = self.meshes[stage]
+        stacked = jax.device_put(stacked, NamedSharding(mesh, PartitionSpec(None, *spec)))
+        sig = (stage, stacked.shape, stacked.dtype, spec)
+        if sig not in self._unstack:
+            self._unstack[sig] = jax.jit(
+                lambda a: tuple(a[j] for j in range(nmb)),
+                out_shardings=tuple(NamedSharding(mesh, spec) for _ in range(nmb)),
+            )
+        return self._unstack[sig](stacked)
+
+    def __call__(self, leaves: Sequence[Any]) -> list[Any]:
+        """Runs one step on the flattened arguments; returns the flattened outputs."""
+        env = self._place_inputs(leaves)
+        for kind, a, b, c, frees in self._runs:
+            if kind == "run":
+                outs = a(*[env[loc] for loc in b])
+                for loc, x in zip(c, outs, strict=True):
+                    env[loc] = x
+            else:
+                env[b] = jax.device_put(env[a], c)
+            for loc in frees:
+                del env[loc]
+        return [self._output(k, leaves, env) for k in self.program.output_keys]
+
+    def _output(self, key: Any, leaves: Sequence[Any], env: dict[tuple[Key, int], Any]) -> Any:
+        if not isinstance(key, tuple):
+            return jnp.asarray(compat.literal_value(key))
+        if key in self.program.home:
+            return env[(key, self.program.home[key])]
+        var = key[0]
+        return self._consts[var] if var in self._consts else leaves[self._arg_index[var]]
+
+
+def _is_accumulator(key: Key) -> bool:
+    tag = key[1]
+    return isinstance(tag, tuple) and tag[0] == "acc"

@@ -1,0 +1,206 @@
+"""Forward layers: where to cut the loss jaxpr, and the boundary marker.
+
+A *layer* is a contiguous run of equations of the (flattened) forward loss
+jaxpr. Between layers autopar inserts a ``boundary`` equation: the identity on
+every value live across the cut. Its JVP is the boundary on the tangents and its
+transpose is a ``bwd`` boundary on the cotangents, so ``jax.value_and_grad``
+mirrors every forward cut into the backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import numpy as np
+
+from autopar._src import compat, cost
+
+BoundaryKind = Literal["fwd", "bwd"]
+
+boundary_p = compat.Primitive("autopar_boundary")
+boundary_p.multiple_results = True
+boundary_p.def_impl(lambda *args, index, kind: list(args))
+boundary_p.def_abstract_eval(lambda *avals, index, kind: list(avals))
+
+
+def _boundary_jvp(primals: Sequence[Any], tangents: Sequence[Any], *, index: int, kind: str):
+    primals_out = boundary_p.bind(*primals, index=index, kind=kind)
+    live = [i for i, t in enumerate(tangents) if not compat.is_zero_cotangent(t)]
+    tangents_out = list(tangents)
+    if live:
+        marked = boundary_p.bind(*[tangents[i] for i in live], index=index, kind=kind)
+        for i, t in zip(live, marked, strict=True):
+            tangents_out[i] = t
+    return primals_out, tangents_out
+
+
+def _boundary_transpose(cts: Sequence[Any], *args: Any, index: int, kind: str):
+    del args
+    cts = [compat.instantiate_zero(ct) if compat.is_zero_cotangent(ct) else ct for ct in cts]
+    return boundary_p.bind(*cts, index=index, kind="bwd")
+
+
+compat.register_identity_rules(boundary_p, _boundary_jvp, _boundary_transpose)
+
+
+def is_boundary(eqn: Any) -> bool:
+    """Whether ``eqn`` is a layer boundary marker."""
+    return eqn.primitive is boundary_p
+
+
+def inline_calls(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluates ``jaxpr`` with every nested ``jit`` call inlined (use under tracing)."""
+    env: dict[Any, Any] = {}
+
+    def read(a: Any) -> Any:
+        return compat.literal_value(a) if compat.is_literal(a) else env[a]
+
+    for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args), strict=True):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        invals = [read(a) for a in eqn.invars]
+        if compat.is_call(eqn):
+            body, body_consts = compat.call_body(eqn)
+            outs = inline_calls(body, body_consts, invals)
+        else:
+            outs = compat.bind_eqn(eqn, invals)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not compat.is_dropvar(v):
+                env[v] = x
+    return [read(a) for a in jaxpr.outvars]
+
+
+def live_across(jaxpr: Any, cuts: Sequence[int]) -> list[list[Any]]:
+    """For each cut position ``p`` (before equation ``p``), the vars defined by an
+    equation before ``p`` and read at or after ``p`` (or returned)."""
+    last_use: dict[Any, int] = {}
+    n = len(jaxpr.eqns)
+    for i, eqn in enumerate(jaxpr.eqns):
+        for a in eqn.invars:
+            if not compat.is_literal(a):
+                last_use[a] = i
+    for a in jaxpr.outvars:
+        if not compat.is_literal(a):
+            last_use[a] = n
+    defined_at: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            if not compat.is_dropvar(v):
+                defined_at[v] = i
+    return [
+        [v for v, d in defined_at.items() if d < p and last_use.get(v, -1) >= p]
+        for p in cuts
+    ]
+
+
+def _live_bytes_per_position(jaxpr: Any) -> np.ndarray:
+    """Bytes live across a cut before each equation position 0..n."""
+    n = len(jaxpr.eqns)
+    diff = np.zeros(n + 2, dtype=np.float64)
+    last_use: dict[Any, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for a in eqn.invars:
+            if not compat.is_literal(a):
+                last_use[a] = i
+    for a in jaxpr.outvars:
+        if not compat.is_literal(a):
+            last_use[a] = n
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.outvars:
+            if compat.is_dropvar(v) or v not in last_use:
+                continue
+            u = last_use[v]
+            if u > i:
+                b = cost.aval_bytes(v.aval)
+                diff[i + 1] += b
+                diff[u + 1] -= b
+    return np.cumsum(diff)[: n + 1]
+
+
+def choose_cuts(jaxpr: Any, num_layers: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Cuts the forward into ``num_layers`` FLOP-balanced layers.
+
+    Each layer holds at least one heavy equation; between two consecutive heavy
+    equations the cut goes where the fewest bytes are live.
+
+    Returns:
+      ``(cuts, layer_flops)``: ``num_layers - 1`` cut positions (a cut ``p`` is
+      before equation ``p``) and the FLOPs of each layer.
+
+    Raises:
+      ValueError: if the forward has fewer heavy equations than ``num_layers``.
+    """
+    flops = np.array([cost.eqn_flops(e) for e in jaxpr.eqns], dtype=np.float64)
+    heavy = np.flatnonzero(flops > 0)
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if len(heavy) < num_layers:
+        raise ValueError(
+            f"The loss function has {len(heavy)} heavy operations (matmuls/convolutions) "
+            f"that can be cut between, but {num_layers} layers were requested; use "
+            f"num_stages <= {max(len(heavy), 1)}. (Layers stacked inside one nn.scan or "
+            "lax.scan cannot be cut.)"
+        )
+    prefix = np.cumsum(flops[heavy])
+    total = prefix[-1]
+    live_bytes = _live_bytes_per_position(jaxpr)
+    cuts: list[int] = []
+    prev_count = 0
+    for k in range(1, num_layers):
+        lo, hi = prev_count + 1, len(heavy) - (num_layers - k)
+        counts = np.arange(lo, hi + 1)
+        target = total * k / num_layers
+        count = int(counts[np.argmin(np.abs(prefix[counts - 1] - target))])
+        # Cut anywhere after heavy eqn count-1 and up to heavy eqn count.
+        first, last = heavy[count - 1] + 1, heavy[count]
+        positions = np.arange(first, last + 1)
+        cuts.append(int(positions[np.argmin(live_bytes[positions])]))
+        prev_count = count
+    return tuple(cuts), layer_flops_for_cuts(jaxpr, cuts)
+
+
+def layer_flops_for_cuts(jaxpr: Any, cuts: Sequence[int]) -> tuple[float, ...]:
+    """FLOPs of each layer of ``jaxpr`` cut at ``cuts``.
+
+    Raises:
+      ValueError: if the cuts are not increasing positions inside the jaxpr.
+    """
+    n = len(jaxpr.eqns)
+    bounds = [0, *cuts, n]
+    if any(not a < b for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(
+            f"Layer cuts {tuple(cuts)} are not increasing positions in a loss of {n} "
+            "equations; the plan does not match this step."
+        )
+    flops = [cost.eqn_flops(e) for e in jaxpr.eqns]
+    return tuple(float(sum(flops[a:b])) for a, b in zip(bounds[:-1], bounds[1:]))
+
+
+def eval_with_boundaries(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], cuts: Sequence[int]
+) -> list[Any]:
+    """Evaluates a flat forward jaxpr, passing live values through a boundary at
+    each cut and the outputs through a final boundary (use under tracing)."""
+    env: dict[Any, Any] = {}
+
+    def read(a: Any) -> Any:
+        return compat.literal_value(a) if compat.is_literal(a) else env[a]
+
+    for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args), strict=True):
+        env[v] = x
+    live = dict(zip(cuts, live_across(jaxpr, cuts), strict=True))
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in live:
+            index = list(cuts).index(i)
+            outs = boundary_p.bind(*[env[v] for v in live[i]], index=index, kind="fwd")
+            env.update(zip(live[i], outs, strict=True))
+        outs = compat.bind_eqn(eqn, [read(a) for a in eqn.invars])
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not compat.is_dropvar(v):
+                env[v] = x
+    results = [read(a) for a in jaxpr.outvars]
+    # The final boundary separates the last layer's forward from its backward.
+    results = [jax.numpy.asarray(r) for r in results]
+    return list(boundary_p.bind(*results, index=len(cuts), kind="fwd"))

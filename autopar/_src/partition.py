@@ -1,0 +1,382 @@
+"""From a traced step and a plan to a program: tasks, transfers and frees.
+
+Three explicit steps, as in SuperScaler:
+
+1. *Transform*: every equation of the step gets a stage and a phase. Equations
+   of the grad region belong to the layer they sit in (found from the boundary
+   markers) and so to that layer's stage, forward or backward. Equations that
+   depend on the batch run per microbatch; the rest run once per step, on the
+   stage of their largest input (after the region) or of their first consumer.
+2. *Space-time schedule*: the pipeline part follows the schedule's dispatch
+   order; once-per-step equations are grouped by stage and by how many stage
+   changes precede them, so their tasks form a DAG. Adjacent tasks of one stage
+   are fused into one executable.
+3. *Preserve dependencies*: a value read on another stage than the one that
+   made it gets a transfer right after it is made; every buffer is freed after
+   its last use.
+
+Values are named by *keys* ``(var, tag)``: tag ``None`` for once-per-step
+values, ``j`` for microbatch ``j``, ``("acc", j)`` for the running sum of a
+region output after microbatch ``j``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from autopar._src import compat, cost, layers, schedule
+from autopar._src.plan import Plan
+from autopar._src.trace import TracedStep
+
+Key = tuple[Any, Any]
+Location = tuple[Key, int]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
+    """One equation (or one accumulation step) with concrete keys."""
+
+    kind: Literal["eqn", "acc"]
+    ins: tuple[Any, ...]
+    """Input keys, or jaxpr literals."""
+    outs: tuple[Key | None, ...]
+    """Output keys (None for a dropped output)."""
+    eqn: Any = None
+    mode: Literal["", "only", "first", "mid", "last"] = ""
+    """For ``acc``: first microbatch, a middle one, the last one, or the only one."""
+    divisor: int = 1
+    """For ``acc`` in mode ``last``: the number of microbatches to average over."""
+
+
+@dataclasses.dataclass(eq=False)
+class Task:
+    """A group of ops that runs as one executable on one stage."""
+
+    stage: int
+    label: str
+    ops: list[Op]
+    in_keys: tuple[Key, ...] = ()
+    out_keys: tuple[Key, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Run task ``task`` reading ``in_locs`` and writing ``out_locs``."""
+
+    task: int
+    frees: tuple[Location, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Copy ``key`` from stage ``src`` to stage ``dst``."""
+
+    key: Key
+    src: int
+    dst: int
+    frees: tuple[Location, ...] = ()
+
+
+@dataclasses.dataclass(eq=False)
+class Program:
+    """Everything the driver needs, independent of devices."""
+
+    tasks: list[Task]
+    instrs: list[Run | Transfer]
+    input_stages: dict[Key, tuple[int, ...]]
+    """For each input key (an argument leaf or constant, per microbatch for the
+    batch), the stages it is placed on at the start of a step."""
+    output_keys: tuple[Any, ...]
+    """For each output leaf: a key, or a literal."""
+    home: dict[Key, int]
+    """Stage where each produced key is made."""
+    per_microbatch: frozenset[Any]
+    """Vars that hold one value per microbatch."""
+    microbatch_size: int
+    """Rows of the batch per microbatch."""
+
+
+def _is_var(a: Any) -> bool:
+    return not compat.is_literal(a)
+
+
+def _eqn_invars(eqn: Any) -> list[Any]:
+    return [a for a in eqn.invars if _is_var(a)]
+
+
+def _eqn_outvars(eqn: Any) -> list[Any]:
+    return [v for v in eqn.outvars if not compat.is_dropvar(v)]
+
+
+def region_eqn_placement(region_jaxpr: Any, layer_to_stage: Sequence[int]) -> list[tuple[int, str]]:
+    """``(stage, pass)`` of every equation of a differentiated, marked loss.
+
+    Forward markers close layer ``index``; the last one closes the forward. Their
+    transposes open the backward of layer ``index``.
+    """
+    num_layers = len(layer_to_stage)
+    pass_, layer = "F", 0
+    placement = []
+    for eqn in region_jaxpr.eqns:
+        placement.append((layer_to_stage[layer], pass_))
+        if layers.is_boundary(eqn):
+            index = eqn.params["index"]
+            if eqn.params["kind"] == "fwd":
+                pass_, layer = ("F", index + 1) if index < num_layers - 1 else ("B", num_layers - 1)
+            else:
+                pass_, layer = "B", index
+    return placement
+
+
+def _largest_input_stage(eqn: Any, producer_stage: dict[Any, int]) -> int | None:
+    staged = [a for a in _eqn_invars(eqn) if a in producer_stage]
+    if not staged:
+        return None
+    best = max(staged, key=lambda a: (cost.aval_bytes(a.aval), -producer_stage[a]))
+    return producer_stage[best]
+
+
+def build_program(
+    step: TracedStep, plan: Plan, batch_leaf_ids: Sequence[int], microbatch_size: int
+) -> Program:
+    """Partitions a traced step according to ``plan``.
+
+    Raises:
+      ValueError: if an output computed from the batch outside the gradient
+        region would need the whole batch while it is split into microbatches.
+    """
+    jaxpr = step.jaxpr
+    eqns = jaxpr.eqns
+    nmb = plan.num_microbatches
+    region_at = step.region_index()
+
+    # Which vars hold one value per microbatch: the batch and what derives from it
+    # outside the region (the region's outputs are averaged, so once per step).
+    per_mb: set[Any] = {step.arg_vars[i] for i in batch_leaf_ids}
+    for i, eqn in enumerate(eqns):
+        if i != region_at and any(a in per_mb for a in _eqn_invars(eqn)):
+            if region_at is not None and i > region_at and nmb > 1:
+                raise ValueError(
+                    f"The step computes {eqn.primitive.name} from the batch after the gradient, "
+                    f"which needs the whole batch, but it is split into num_microbatches={nmb}. "
+                    "Return such values as aux from the loss function (has_aux=True), or use "
+                    "num_microbatches=1."
+                )
+            per_mb.update(_eqn_outvars(eqn))
+
+    def okey(a: Any, j: int | None) -> Any:
+        if not _is_var(a):
+            return a
+        if a in per_mb:
+            return (a, 0 if j is None else j)
+        return (a, None)
+
+    stage_ops: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
+    acc_specs: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
+    producer_stage: dict[Any, int] = {}
+    consumer_stages: dict[Any, set[int]] = {}
+    rkey = None
+    if region_at is not None:
+        region = eqns[region_at]
+        info = region.params["info"]
+        rj = info.jaxpr
+        rmap = dict(zip([*rj.constvars, *rj.invars], region.invars, strict=True))
+
+        def rkey(a: Any, j: int) -> Any:  # noqa: F811
+            if not _is_var(a):
+                return a
+            if a in rmap:
+                return okey(rmap[a], j)
+            return (a, j)
+
+        placement = region_eqn_placement(rj, plan.layer_to_stage())
+        made_in: dict[Any, tuple[int, str]] = {}
+        for eqn, where in zip(rj.eqns, placement, strict=True):
+            stage_ops.setdefault(where, []).append(eqn)
+            for v in _eqn_outvars(eqn):
+                made_in[v] = where
+            for a in _eqn_invars(eqn):
+                if a in rmap and _is_var(rmap[a]):
+                    consumer_stages.setdefault(rmap[a], set()).add(where[0])
+        last_fwd = (plan.num_stages - 1, "F")
+        for rv, ov in zip(rj.outvars, region.outvars, strict=True):
+            if compat.is_dropvar(ov):
+                continue
+            where = made_in.get(rv, last_fwd) if _is_var(rv) else last_fwd
+            acc_specs.setdefault(where, []).append((rv, ov))
+            producer_stage[ov] = where[0]
+            if _is_var(rv) and rv in rmap and _is_var(rmap[rv]):
+                consumer_stages.setdefault(rmap[rv], set()).add(where[0])
+
+    # Stages of the equations outside the region.
+    outer = [i for i in range(len(eqns)) if i != region_at]
+    stage_of: dict[int, int] = {}
+    for i in outer:
+        if region_at is not None and i > region_at:
+            st = _largest_input_stage(eqns[i], producer_stage)
+            if st is not None:
+                stage_of[i] = st
+                for v in _eqn_outvars(eqns[i]):
+                    producer_stage[v] = st
+    for i in stage_of:
+        for a in _eqn_invars(eqns[i]):
+            consumer_stages.setdefault(a, set()).add(stage_of[i])
+    for i in reversed(outer):
+        if i in stage_of:
+            continue
+        stages = set().union(*(consumer_stages.get(v, set()) for v in _eqn_outvars(eqns[i])))
+        st = min(stages) if stages else 0
+        stage_of[i] = st
+        for a in _eqn_invars(eqns[i]):
+            consumer_stages.setdefault(a, set()).add(st)
+
+    # Per-microbatch equations before the region run inside the forward tasks.
+    in_forward = {
+        i for i in outer
+        if region_at is not None and i < region_at and any(v in per_mb for v in _eqn_outvars(eqns[i]))
+    }
+    once = [i for i in outer if i not in in_forward]
+    level: dict[int, int] = {}
+    made_by: dict[Any, int] = {}
+    for i in once:
+        lv = 0
+        for a in _eqn_invars(eqns[i]):
+            if a in made_by:
+                p = made_by[a]
+                lv = max(lv, level[p] + (stage_of[p] != stage_of[i]))
+        level[i] = lv
+        for v in _eqn_outvars(eqns[i]):
+            made_by[v] = i
+
+    def outer_op(i: int, j: int | None) -> Op:
+        e = eqns[i]
+        return Op(kind="eqn", eqn=e, ins=tuple(okey(a, j) for a in e.invars),
+                  outs=tuple(None if compat.is_dropvar(v) else okey(v, j) for v in e.outvars))
+
+    def once_tasks(phase: str, indices: list[int]) -> list[Task]:
+        groups: dict[tuple[int, int], list[Op]] = {}
+        for i in indices:
+            groups.setdefault((level[i], stage_of[i]), []).append(outer_op(i, None))
+        return [Task(stage=st, label=f"{phase}{lv}", ops=ops) for (lv, st), ops in sorted(groups.items())]
+
+    tasks: list[Task] = once_tasks("pre", [i for i in once if region_at is None or i < region_at])
+    if region_at is not None:
+        per_stage = schedule.make(plan.schedule, plan.num_stages, nmb)
+        for t in schedule.dispatch_order(per_stage):
+            j, where = t.microbatch, (t.stage, t.pass_)
+            ops = []
+            if t.pass_ == "F":
+                ops += [outer_op(i, j) for i in sorted(in_forward) if stage_of[i] == t.stage]
+            for e in stage_ops.get(where, []):
+                ops.append(Op(kind="eqn", eqn=e, ins=tuple(rkey(a, j) for a in e.invars),
+                              outs=tuple(None if compat.is_dropvar(v) else (v, j) for v in e.outvars)))
+            for rv, ov in acc_specs.get(where, []):
+                ops += _accumulate(rkey(rv, j), ov, j, nmb)
+            if ops:
+                tasks.append(Task(stage=t.stage, label=str(t), ops=ops))
+        tasks += once_tasks("post", [i for i in once if i > region_at])
+
+    tasks = _fuse_adjacent(tasks)
+    output_keys = tuple(okey(a, None) for a in jaxpr.outvars)
+    return _wire(tasks, output_keys, per_mb, microbatch_size)
+
+
+def _accumulate(val: Any, ov: Any, j: int, nmb: int) -> list[Op]:
+    """Ops that fold microbatch ``j``'s value of a region output into its mean."""
+    final = (ov, None)
+    if not np.issubdtype(ov.aval.dtype, np.inexact):
+        # Integers and booleans cannot be averaged: the last microbatch's value is kept.
+        return [Op(kind="acc", mode="only", ins=(val,), outs=(final,))] if j == nmb - 1 else []
+    if nmb == 1:
+        return [Op(kind="acc", mode="only", ins=(val,), outs=(final,))]
+    if j == 0:
+        return [Op(kind="acc", mode="first", ins=(val,), outs=((ov, ("acc", 0)),))]
+    prev = (ov, ("acc", j - 1))
+    if j < nmb - 1:
+        return [Op(kind="acc", mode="mid", ins=(prev, val), outs=((ov, ("acc", j)),))]
+    return [Op(kind="acc", mode="last", ins=(prev, val), outs=(final,), divisor=nmb)]
+
+
+def _fuse_adjacent(tasks: list[Task]) -> list[Task]:
+    fused: list[Task] = []
+    for t in tasks:
+        if fused and fused[-1].stage == t.stage:
+            fused[-1] = Task(stage=t.stage, label=f"{fused[-1].label}+{t.label}", ops=fused[-1].ops + t.ops)
+        else:
+            fused.append(t)
+    return fused
+
+
+def _wire(tasks: list[Task], output_keys: tuple[Any, ...], per_mb: set[Any], mb_size: int) -> Program:
+    """Finds each task's inputs and outputs, and adds transfers and frees."""
+    home: dict[Key, int] = {}
+    produced_in: dict[Key, int] = {}
+    readers: dict[Key, list[int]] = {}
+    for ti, t in enumerate(tasks):
+        made: set[Key] = set()
+        ins: list[Key] = []
+        for op in t.ops:
+            for k in op.ins:
+                if isinstance(k, tuple) and k not in made and k not in ins:
+                    ins.append(k)
+            for k in op.outs:
+                if k is not None:
+                    made.add(k)
+                    produced_in[k] = ti
+                    home[k] = t.stage
+        t.in_keys = tuple(ins)
+        for k in ins:
+            readers.setdefault(k, []).append(ti)
+    wanted = {k for k in output_keys if isinstance(k, tuple)}
+    for ti, t in enumerate(tasks):
+        outs = []
+        for op in t.ops:
+            for k in op.outs:
+                if k is not None and produced_in[k] == ti and (k in wanted or readers.get(k)):
+                    if k not in outs:
+                        outs.append(k)
+        t.out_keys = tuple(outs)
+
+    input_stages: dict[Key, list[int]] = {}
+    instrs: list[Run | Transfer] = []
+    for ti, t in enumerate(tasks):
+        for k in t.in_keys:
+            if k not in home and t.stage not in input_stages.setdefault(k, []):
+                input_stages[k].append(t.stage)
+        instrs.append(Run(task=ti))
+        for k in t.out_keys:
+            sent: list[int] = []
+            for r in readers.get(k, []):
+                dst = tasks[r].stage
+                if dst != t.stage and dst not in sent:
+                    sent.append(dst)
+                    instrs.append(Transfer(key=k, src=t.stage, dst=dst))
+
+    # Frees: after the last instruction that reads each (key, stage) location.
+    last_use: dict[Location, int] = {}
+    for n, ins in enumerate(instrs):
+        if isinstance(ins, Run):
+            t = tasks[ins.task]
+            for k in t.in_keys:
+                last_use[(k, t.stage)] = n
+        else:
+            last_use[(ins.key, ins.src)] = n
+    keep = {(k, home[k]) for k in wanted if k in home}
+    frees: dict[int, list[Location]] = {}
+    for loc, n in last_use.items():
+        if loc not in keep:
+            frees.setdefault(n, []).append(loc)
+    instrs = [dataclasses.replace(ins, frees=tuple(frees.get(n, ()))) for n, ins in enumerate(instrs)]
+    return Program(
+        tasks=tasks,
+        instrs=instrs,
+        input_stages={k: tuple(v) for k, v in input_stages.items()},
+        output_keys=output_keys,
+        home=home,
+        per_microbatch=frozenset(per_mb),
+        microbatch_size=mb_size,
+    )

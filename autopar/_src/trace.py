@@ -1,0 +1,264 @@
+"""Tracing a train step: the grad region, inlining, and the traced step.
+
+``autopar.value_and_grad`` marks the microbatched part of a step. Outside
+``@autoparallel`` it is exactly ``jax.value_and_grad``. While ``@autoparallel``
+traces a step it instead cuts the loss into layers, differentiates the marked
+loss, and emits one ``grad_region`` equation holding the whole forward+backward
+jaxpr; the equations before and after it run once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autopar._src import compat, layers
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TraceOptions:
+    """How ``value_and_grad`` cuts the loss while ``@autoparallel`` traces a step."""
+
+    num_layers: int
+    """Number of forward layers to cut the loss into."""
+    cuts: tuple[int, ...] | None = None
+    """Cut positions to reuse (from a saved plan) instead of choosing them."""
+
+
+_OPTIONS: contextvars.ContextVar[TraceOptions | None] = contextvars.ContextVar(
+    "autopar_trace_options", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing(options: TraceOptions) -> Iterator[None]:
+    """Makes ``value_and_grad`` emit a grad region while tracing a step."""
+    token = _OPTIONS.set(options)
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class RegionInfo:
+    """What a ``grad_region`` equation holds (compared by identity)."""
+
+    jaxpr: Any
+    """Open jaxpr of value-and-grad; constvars then invars are the region inputs."""
+    num_aux: int
+    """Number of aux output leaves (after the value, before the gradients)."""
+    num_grads: int
+    """Number of gradient leaves (the last outputs)."""
+    cuts: tuple[int, ...]
+    """Forward cut positions in the flattened loss jaxpr."""
+    layer_flops: tuple[float, ...]
+    """Forward FLOPs of each layer, per call of the loss."""
+    num_forward_eqns: int
+    """Equations in the flattened forward loss jaxpr."""
+
+
+grad_region_p = compat.Primitive("autopar_grad_region")
+grad_region_p.multiple_results = True
+
+
+def _region_impl(*args: Any, info: RegionInfo) -> list[Any]:
+    n = len(info.jaxpr.constvars)
+    return compat.eval_jaxpr(info.jaxpr, args[:n], *args[n:])
+
+
+grad_region_p.def_impl(_region_impl)
+grad_region_p.def_abstract_eval(lambda *avals, info: [v.aval for v in info.jaxpr.outvars])
+compat.register_lowering_from_fun(grad_region_p, _region_impl)
+
+
+def find_regions(jaxpr: Any) -> list[int]:
+    """Indices of the grad-region equations of a flat step jaxpr."""
+    return [i for i, e in enumerate(jaxpr.eqns) if e.primitive is grad_region_p]
+
+
+def _normalize_argnums(argnums: int | Sequence[int], nargs: int) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for a in nums:
+        if not -nargs <= a < nargs:
+            raise ValueError(f"argnums={argnums!r} is out of range for {nargs} positional arguments")
+    return tuple(a % nargs for a in nums)
+
+
+def _region_value_and_grad(
+    fun: Callable[..., Any], argnums: int | Sequence[int], has_aux: bool, args: tuple[Any, ...],
+    options: TraceOptions,
+) -> Any:
+    nums = _normalize_argnums(argnums, len(args))
+    diff_leaves, diff_tree = jax.tree.flatten(tuple(args[a] for a in nums))
+    out_tree_box: list[Any] = []
+
+    def loss_of_leaves(*leaves: Any) -> list[Any]:
+        diff = jax.tree.unflatten(diff_tree, leaves)
+        full = list(args)
+        for a, x in zip(nums, diff, strict=True):
+            full[a] = x
+        out = fun(*full)
+        value, aux = out if has_aux else (out, ())
+        aux_leaves, aux_tree = jax.tree.flatten(aux)
+        out_tree_box.append(aux_tree)
+        return [value, *aux_leaves]
+
+    # Closed-over tracers of the step become explicit inputs of the region.
+    fwd_closed = jax.make_jaxpr(loss_of_leaves)(*diff_leaves)
+    fwd_jaxpr, outer_consts = compat.jaxpr_and_consts(fwd_closed)
+    aux_tree = out_tree_box[-1]
+
+    flat_closed = jax.make_jaxpr(lambda c, d: layers.inline_calls(fwd_jaxpr, c, d))(
+        outer_consts, diff_leaves
+    )
+    flat_jaxpr, flat_consts = compat.jaxpr_and_consts(flat_closed)
+    if options.cuts is not None:
+        cuts = options.cuts
+        layer_flops = layers.layer_flops_for_cuts(flat_jaxpr, cuts)
+    else:
+        cuts, layer_flops = layers.choose_cuts(flat_jaxpr, options.num_layers)
+
+    def marked_value_and_grad(consts_and_outer: list[Any], diff: list[Any]) -> list[Any]:
+        def loss(d: list[Any]) -> tuple[Any, list[Any]]:
+            outs = layers.eval_with_boundaries(flat_jaxpr, [], [*consts_and_outer, *d], cuts)
+            return outs[0], outs[1:]
+
+        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(diff)
+        return [value, *aux, *grads]
+
+    inputs = [*flat_consts, *outer_consts]
+    grad_closed = jax.make_jaxpr(marked_value_and_grad)(inputs, diff_leaves)
+    grad_jaxpr, grad_consts = compat.jaxpr_and_consts(grad_closed)
+    info = RegionInfo(
+        jaxpr=grad_jaxpr,
+        num_aux=aux_tree.num_leaves,
+        num_grads=len(diff_leaves),
+        cuts=tuple(cuts),
+        layer_flops=tuple(layer_flops),
+        num_forward_eqns=len(flat_jaxpr.eqns),
+    )
+    outs = grad_region_p.bind(*grad_consts, *inputs, *diff_leaves, info=info)
+    value = outs[0]
+    aux = jax.tree.unflatten(aux_tree, outs[1 : 1 + info.num_aux])
+    grads = jax.tree.unflatten(diff_tree, outs[1 + info.num_aux :])
+    grads = grads[0] if isinstance(argnums, int) else grads
+    return ((value, aux), grads) if has_aux else (value, grads)
+
+
+def value_and_grad(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """Drop-in for ``jax.value_and_grad`` that marks the microbatched part of a step.
+
+    Under ``@autopar.autoparallel`` the loss is cut into pipeline layers and run
+    per microbatch; the gradients (and value and aux) are averaged over
+    microbatches, which for a mean loss equals the gradient of the whole batch.
+    Elsewhere it is ``jax.value_and_grad``. Differentiating with respect to a Flax
+    NNX module differentiates its ``nnx.Param`` state, as ``nnx.value_and_grad``.
+
+    Example:
+      >>> loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
+    """
+    from autopar._src import nnx_support
+
+    def wrapped(*args: Any) -> Any:
+        return nnx_support.call_value_and_grad(_value_and_grad_arrays, fun, argnums, has_aux, args)
+
+    return wrapped
+
+
+def _value_and_grad_arrays(
+    fun: Callable[..., Any], argnums: int | Sequence[int], has_aux: bool, args: tuple[Any, ...]
+) -> Any:
+    options = _OPTIONS.get()
+    if options is None:
+        return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args)
+    # Nested use (a value_and_grad inside the loss) is an ordinary JAX grad.
+    token = _OPTIONS.set(None)
+    try:
+        return _region_value_and_grad(fun, argnums, has_aux, args, options)
+    finally:
+        _OPTIONS.reset(token)
+
+
+def grad(
+    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable[..., Any]:
+    """Drop-in for ``jax.grad``; see :func:`value_and_grad`."""
+    vag = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+    def wrapped(*args: Any) -> Any:
+        if has_aux:
+            (_, aux), g = vag(*args)
+            return g, aux
+        _, g = vag(*args)
+        return g
+
+    return wrapped
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class TracedStep:
+    """A train step traced to one flat jaxpr (nested jits inlined)."""
+
+    jaxpr: Any
+    """Flat open jaxpr of the step."""
+    arg_vars: tuple[Any, ...]
+    """The jaxpr vars of the flattened positional arguments, in order."""
+    const_bindings: tuple[tuple[Any, Any], ...]
+    """``(var, value)`` for every other input var: constants captured while tracing."""
+    in_tree: Any
+    """Pytree structure of the step's positional arguments."""
+    out_tree: Any
+    """Pytree structure of the step's output."""
+
+    def region_index(self) -> int | None:
+        """Index of the grad-region equation, or None when the step has none.
+
+        Raises:
+          ValueError: if the step calls ``autopar.value_and_grad`` more than once.
+        """
+        found = find_regions(self.jaxpr)
+        if len(found) > 1:
+            raise ValueError(
+                f"The step calls autopar.value_and_grad/grad {len(found)} times; autopar "
+                "pipelines exactly one gradient computation per step. Combine the losses "
+                "into one loss function."
+            )
+        return found[0] if found else None
+
+
+def trace_step(fn: Callable[..., Any], args: tuple[Any, ...], options: TraceOptions) -> TracedStep:
+    """Traces ``fn(*args)`` abstractly into one flat jaxpr; nothing is computed."""
+    leaves, in_tree = jax.tree.flatten(args)
+    out_tree_box: list[Any] = []
+
+    def flat_fn(*xs: Any) -> list[Any]:
+        out = fn(*jax.tree.unflatten(in_tree, xs))
+        out_leaves, out_tree = jax.tree.flatten(out)
+        out_tree_box.append(out_tree)
+        return out_leaves
+
+    with tracing(options):
+        closed = jax.make_jaxpr(flat_fn)(*leaves)
+    jaxpr, consts = compat.jaxpr_and_consts(closed)
+    flat = jax.make_jaxpr(lambda c, xs: layers.inline_calls(jaxpr, c, xs))(consts, list(leaves))
+    flat_jaxpr, flat_consts = compat.jaxpr_and_consts(flat)
+    invars = list(flat_jaxpr.invars)
+    n = len(consts)
+    bindings = list(zip(flat_jaxpr.constvars, flat_consts, strict=True))
+    bindings += list(zip(invars[:n], consts, strict=True))
+    return TracedStep(
+        jaxpr=flat_jaxpr,
+        arg_vars=tuple(invars[n:]),
+        const_bindings=tuple(bindings),
+        in_tree=in_tree,
+        out_tree=out_tree_box[-1],
+    )
