@@ -21,6 +21,13 @@ OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(1e-2, 
 BATCH = 16
 
 
+def as_numpy(x):
+    """``x`` as a NumPy array (PRNG keys as their key data)."""
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
 def assert_same_as_jit(step, state, batches, tol, **options):
     """Runs ``len(batches)`` steps both ways; asserts losses and states agree."""
     par = autopar.autoparallel(step, **options)
@@ -34,9 +41,9 @@ def assert_same_as_jit(step, state, batches, tol, **options):
     leaves_ref, tree_ref = jax.tree.flatten(s_ref)
     assert tree_par == tree_ref
     for a, b in zip(leaves_par, leaves_ref, strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **tol)
     # Training moved the parameters: the comparison is not between two untouched states.
-    moved = [not np.allclose(np.asarray(a), np.asarray(b)) for a, b in
+    moved = [not np.allclose(as_numpy(a), as_numpy(b)) for a, b in
              zip(jax.tree.leaves(state), leaves_par, strict=True)]
     assert any(moved)
     return par

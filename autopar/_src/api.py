@@ -161,15 +161,16 @@ class AutoParallel:
 
 
 def _aval_key(x: Any) -> Any:
-    if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return (tuple(x.shape), str(x.dtype), getattr(x, "weak_type", False))
-    return (type(x).__name__,)
+    # Weak types are dropped: a Python scalar and the array a step returns for it
+    # (e.g. TrainState.step) share one compiled program.
+    aval = jax.typeof(x)
+    return (tuple(aval.shape), str(aval.dtype))
 
 
 def _abstract(x: Any, rows: int | None) -> Any:
     aval = jax.typeof(x)
     shape = tuple(aval.shape) if rows is None else (rows, *aval.shape[1:])
-    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
 
 
 def _batch_leaves(args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int) -> tuple[list[int], int]:

@@ -48,10 +48,13 @@ def stage_meshes(plan: Plan, devices: Sequence[Any]) -> list[Mesh]:
 
 
 def _acc(op: Op, vals: list[Any]) -> Any:
-    if op.mode in ("only", "first"):
-        return vals[0]
-    total = vals[0] + vals[1]
-    return total / op.divisor if op.mode == "last" else total
+    if op.mode == "zeros":
+        return jnp.zeros(op.aval.shape, op.aval.dtype)
+    if op.mode == "add":
+        return vals[0] + vals[1]
+    if op.mode == "mean":
+        return vals[0] / op.divisor
+    return vals[0]
 
 
 def _task_fn(task: Task) -> Callable[..., tuple[Any, ...]]:
@@ -82,7 +85,7 @@ def _signature(task: Task, specs_in: tuple[Any, ...], specs_out: tuple[Any, ...]
 
     ins = tuple(c(k) for k in task.in_keys)
     ops = tuple(
-        (op.kind, id(op.eqn), op.mode, op.divisor, tuple(c(k) for k in op.ins),
+        (op.kind, id(op.eqn), op.mode, op.divisor, None if op.aval is None else str(op.aval), tuple(c(k) for k in op.ins),
          tuple(None if k is None else c(k) for k in op.outs))
         for op in task.ops
     )
@@ -113,7 +116,7 @@ class Executable:
             sig = _signature(t, s_in, s_out)
             if sig not in cache:
                 mesh = self.meshes[t.stage]
-                donate = tuple(i for i, k in enumerate(t.in_keys) if _is_accumulator(k))
+                donate = _donatable(t)
                 cache[sig] = jax.jit(
                     _task_fn(t),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
@@ -163,10 +166,9 @@ class Executable:
                     if loc not in self._placed_consts:
                         self._placed_consts[loc] = jax.device_put(self._consts[var], self.sharding(key, s))
                     env[loc] = self._placed_consts[loc]
-                elif tag is None:
-                    env[(key, s)] = jax.device_put(leaves[self._arg_index[var]], self.sharding(key, s))
-                elif nmb == 1:
-                    env[(key, s)] = jax.device_put(leaves[self._arg_index[var]], self.sharding(key, s))
+                elif tag is None or nmb == 1:
+                    leaf = _strongly_typed(leaves[self._arg_index[var]])
+                    env[(key, s)] = jax.device_put(leaf, self.sharding(key, s))
                 else:
                     parts = self._split(leaves[self._arg_index[var]], var, s)
                     for j, part in enumerate(parts):
@@ -212,6 +214,31 @@ class Executable:
         return self._consts[var] if var in self._consts else leaves[self._arg_index[var]]
 
 
+def _strongly_typed(x: Any) -> Any:
+    """``x`` without a weak type (steps are traced with strong types)."""
+    aval = jax.typeof(x)
+    return np.asarray(x, dtype=aval.dtype) if aval.weak_type else x
+
+
 def _is_accumulator(key: Key) -> bool:
     tag = key[1]
     return isinstance(tag, tuple) and tag[0] == "acc"
+
+
+def _donatable(task: Task) -> tuple[int, ...]:
+    """Accumulator inputs that an output of the same shape and dtype can reuse."""
+    free_outputs: dict[tuple[Any, ...], int] = {}
+    for k in task.out_keys:
+        aval = k[0].aval
+        sig = (tuple(aval.shape), str(aval.dtype))
+        free_outputs[sig] = free_outputs.get(sig, 0) + 1
+    donate = []
+    for i, k in enumerate(task.in_keys):
+        if not _is_accumulator(k):
+            continue
+        aval = k[0].aval
+        sig = (tuple(aval.shape), str(aval.dtype))
+        if free_outputs.get(sig, 0) > 0 and jax.dtypes.issubdtype(aval.dtype, jnp.inexact):
+            free_outputs[sig] -= 1
+            donate.append(i)
+    return tuple(donate)

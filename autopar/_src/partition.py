@@ -26,7 +26,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
+import jax
+import jax.numpy as jnp
 
 from autopar._src import compat, cost, layers, schedule
 from autopar._src.plan import Plan
@@ -46,10 +47,12 @@ class Op:
     outs: tuple[Key | None, ...]
     """Output keys (None for a dropped output)."""
     eqn: Any = None
-    mode: Literal["", "only", "first", "mid", "last"] = ""
-    """For ``acc``: first microbatch, a middle one, the last one, or the only one."""
+    mode: Literal["", "zeros", "add", "copy", "mean"] = ""
+    """For ``acc``: make a zero sum, add to it, pass a value on, or divide the sum."""
     divisor: int = 1
-    """For ``acc`` in mode ``last``: the number of microbatches to average over."""
+    """For ``acc`` in mode ``mean``: the number of microbatches to average over."""
+    aval: Any = None
+    """For ``acc`` in mode ``zeros``: shape and dtype of the sum."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,6 +62,8 @@ class Task:
     stage: int
     label: str
     ops: list[Op]
+    repeated: bool
+    """Whether the task runs once per microbatch (sharing one executable)."""
     in_keys: tuple[Key, ...] = ()
     out_keys: tuple[Key, ...] = ()
 
@@ -240,30 +245,42 @@ def build_program(
         if region_at is not None and i < region_at and any(v in per_mb for v in _eqn_outvars(eqns[i]))
     }
     once = [i for i in outer if i not in in_forward]
+    # made_by[var] = (level, stage) of the once-per-step op that makes it. Region
+    # outputs are finished (averaged) at level 0 of the post phase on their stage.
+    made_by: dict[Any, tuple[int, int]] = {ov: (0, st) for ov, st in producer_stage.items()
+                                          if region_at is not None and ov in set(eqns[region_at].outvars)}
     level: dict[int, int] = {}
-    made_by: dict[Any, int] = {}
     for i in once:
         lv = 0
         for a in _eqn_invars(eqns[i]):
             if a in made_by:
-                p = made_by[a]
-                lv = max(lv, level[p] + (stage_of[p] != stage_of[i]))
+                p_level, p_stage = made_by[a]
+                lv = max(lv, p_level + (p_stage != stage_of[i]))
         level[i] = lv
         for v in _eqn_outvars(eqns[i]):
-            made_by[v] = i
+            made_by[v] = (lv, stage_of[i])
 
     def outer_op(i: int, j: int | None) -> Op:
         e = eqns[i]
         return Op(kind="eqn", eqn=e, ins=tuple(okey(a, j) for a in e.invars),
                   outs=tuple(None if compat.is_dropvar(v) else okey(v, j) for v in e.outvars))
 
-    def once_tasks(phase: str, indices: list[int]) -> list[Task]:
-        groups: dict[tuple[int, int], list[Op]] = {}
-        for i in indices:
-            groups.setdefault((level[i], stage_of[i]), []).append(outer_op(i, None))
-        return [Task(stage=st, label=f"{phase}{lv}", ops=ops) for (lv, st), ops in sorted(groups.items())]
+    pre_groups: dict[tuple[int, int], list[Op]] = {}
+    post_groups: dict[tuple[int, int], list[Op]] = {}
+    for where, specs in acc_specs.items():
+        for _, ov in specs:
+            start, finish = _accumulator_ends(ov, nmb)
+            pre_groups.setdefault((0, where[0]), []).extend(start)
+            post_groups.setdefault((0, where[0]), []).extend(finish)
+    for i in once:
+        groups = pre_groups if region_at is None or i < region_at else post_groups
+        groups.setdefault((level[i], stage_of[i]), []).append(outer_op(i, None))
 
-    tasks: list[Task] = once_tasks("pre", [i for i in once if region_at is None or i < region_at])
+    def once_tasks(phase: str, groups: dict[tuple[int, int], list[Op]]) -> list[Task]:
+        return [Task(stage=st, label=f"{phase}{lv}", ops=ops, repeated=False)
+                for (lv, st), ops in sorted(groups.items(), key=lambda kv: kv[0])]
+
+    tasks: list[Task] = once_tasks("pre", pre_groups)
     if region_at is not None:
         per_stage = schedule.make(plan.schedule, plan.num_stages, nmb)
         for t in schedule.dispatch_order(per_stage):
@@ -275,37 +292,57 @@ def build_program(
                 ops.append(Op(kind="eqn", eqn=e, ins=tuple(rkey(a, j) for a in e.invars),
                               outs=tuple(None if compat.is_dropvar(v) else (v, j) for v in e.outvars)))
             for rv, ov in acc_specs.get(where, []):
-                ops += _accumulate(rkey(rv, j), ov, j, nmb)
+                ops.append(_accumulate(rkey(rv, j), ov, j, nmb))
             if ops:
-                tasks.append(Task(stage=t.stage, label=str(t), ops=ops))
-        tasks += once_tasks("post", [i for i in once if i > region_at])
+                tasks.append(Task(stage=t.stage, label=str(t), ops=ops, repeated=nmb > 1))
+        tasks += once_tasks("post", post_groups)
 
     tasks = _fuse_adjacent(tasks)
     output_keys = tuple(okey(a, None) for a in jaxpr.outvars)
     return _wire(tasks, output_keys, per_mb, microbatch_size)
 
 
-def _accumulate(val: Any, ov: Any, j: int, nmb: int) -> list[Op]:
-    """Ops that fold microbatch ``j``'s value of a region output into its mean."""
-    final = (ov, None)
-    if not np.issubdtype(ov.aval.dtype, np.inexact):
-        # Integers and booleans cannot be averaged: the last microbatch's value is kept.
-        return [Op(kind="acc", mode="only", ins=(val,), outs=(final,))] if j == nmb - 1 else []
+def _is_float(var: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.inexact))
+
+
+def _accumulator_ends(ov: Any, nmb: int) -> tuple[list[Op], list[Op]]:
+    """Once-per-step ops that start (zeros) and finish (mean) a region output's sum."""
     if nmb == 1:
-        return [Op(kind="acc", mode="only", ins=(val,), outs=(final,))]
-    if j == 0:
-        return [Op(kind="acc", mode="first", ins=(val,), outs=((ov, ("acc", 0)),))]
-    prev = (ov, ("acc", j - 1))
-    if j < nmb - 1:
-        return [Op(kind="acc", mode="mid", ins=(prev, val), outs=((ov, ("acc", j)),))]
-    return [Op(kind="acc", mode="last", ins=(prev, val), outs=(final,), divisor=nmb)]
+        return [], []
+    last = (ov, ("acc", nmb - 1))
+    if not _is_float(ov):
+        return [], [Op(kind="acc", mode="copy", ins=(last,), outs=((ov, None),))]
+    start = Op(kind="acc", mode="zeros", ins=(), outs=((ov, ("acc", -1)),), aval=ov.aval)
+    return [start], [Op(kind="acc", mode="mean", ins=(last,), outs=((ov, None),), divisor=nmb)]
+
+
+def _accumulate(val: Any, ov: Any, j: int, nmb: int) -> Op:
+    """The op that folds microbatch ``j``'s value of a region output into its sum.
+
+    The same op for every microbatch, so all microbatches share one executable.
+    Integers, booleans and keys cannot be averaged: the last microbatch's value is
+    kept.
+    """
+    if nmb == 1:
+        return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, None),))
+    if not _is_float(ov):
+        return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, ("acc", j)),))
+    return Op(kind="acc", mode="add", ins=((ov, ("acc", j - 1)), val), outs=((ov, ("acc", j)),))
 
 
 def _fuse_adjacent(tasks: list[Task]) -> list[Task]:
+    """Merges neighbouring tasks of one stage into one executable.
+
+    Repeated tasks (one per microbatch, sharing an executable) are not fused:
+    fusing them would give each microbatch an executable of its own to compile.
+    """
     fused: list[Task] = []
     for t in tasks:
-        if fused and fused[-1].stage == t.stage:
-            fused[-1] = Task(stage=t.stage, label=f"{fused[-1].label}+{t.label}", ops=fused[-1].ops + t.ops)
+        prev = fused[-1] if fused else None
+        if prev is not None and prev.stage == t.stage and not (prev.repeated or t.repeated):
+            fused[-1] = Task(stage=t.stage, label=f"{prev.label}+{t.label}", ops=prev.ops + t.ops,
+                             repeated=False)
         else:
             fused.append(t)
     return fused
