@@ -26,7 +26,9 @@ def aval_bytes(aval: Any) -> int:
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
-    return _prod(shape) * np.dtype(dtype).itemsize
+    # Extended dtypes (PRNG keys) carry their own itemsize; NumPy cannot read them.
+    itemsize = getattr(dtype, "itemsize", None)
+    return _prod(shape) * int(itemsize if itemsize is not None else np.dtype(dtype).itemsize)
 
 
 def eqn_flops(eqn: Any) -> float:

@@ -1,0 +1,258 @@
+"""Runtime features beyond the basic matrix: shared parameters, cross-stage
+update reductions, model styles users bring, errors, transfers and buffers."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from equality import OPTIMIZERS, TOLERANCES, as_numpy, assert_same_as_jit
+from flax import nnx
+from jax.sharding import NamedSharding
+
+import autopar
+from autopar._src.partition import Transfer
+from models import train
+
+BATCH = 16
+
+
+def _gpt(api="linen", opt="adamw", **overrides):
+    config = train.tiny_config("gpt", **overrides)
+    step, state = train.setup("gpt", api, config, OPTIMIZERS[opt]())
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    return step, state, batches
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_tied_embeddings_across_stages(api):
+    step, state, batches = _gpt(api, tie_embeddings=True)
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"],
+                             num_stages=4, num_microbatches=4, schedule="1f1b")
+    exe = par.executable(state, batches[0])
+    # The embedding table is read by the first stage (lookup) and the last (logits).
+    leaves = jax.tree.leaves(state)
+    table = next(i for i, x in enumerate(leaves) if np.shape(x) == (128, 64))
+    var = exe.step.arg_vars[table]
+    assert set(exe.program.input_stages[(var, None)]) == {0, 3}
+
+
+def test_global_norm_clipping_across_stages():
+    config = train.tiny_config("gpt")
+    clip = 0.05
+    tx = optax.chain(optax.clip_by_global_norm(clip), optax.sgd(0.5))
+    step, state = train.setup("gpt", "linen", config, tx)
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    # Clipping is active: the unclipped gradient norm is well above the threshold.
+    def loss(p):
+        return train._loss("gpt", lambda x: state.apply_fn({"params": p}, x), batches[0])
+    assert optax.tree.norm(jax.grad(loss)(state.params)) > 10 * clip
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"],
+                             num_stages=4, num_microbatches=2, schedule="gpipe")
+    # The global norm sums squares from every stage: some update task reads a value
+    # made on another stage after the pipeline.
+    exe = par.executable(state, batches[0])
+    post = [i for i, t in enumerate(exe.program.tasks) if "post" in t.label]
+    assert len({exe.program.tasks[i].stage for i in post}) == 4
+    first_post = min(post)
+    later = exe.program.instrs[[n for n, ins in enumerate(exe.program.instrs)
+                                if getattr(ins, "task", -1) == first_post][0]:]
+    assert any(isinstance(ins, Transfer) for ins in later)
+
+
+def test_aux_metrics_are_averaged_over_microbatches():
+    config = train.tiny_config("mlp")
+    tx = optax.sgd(0.1)
+    state = train.linen_state("mlp", config, tx)
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"])
+            acc = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {"acc": acc}
+
+        (loss, aux), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), (loss, aux["acc"])
+
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
+
+
+def test_nested_jits_dropout_and_rng_like_hugging_face():
+    # Each block and the whole loss under jit; dropout keyed by an RNG carried in the
+    # state and split outside the gradient (once per step).
+    config = train.tiny_config("gpt", dropout_rate=0.1)
+    model = train.GPT(config)
+    tokens = train.make_batch("gpt", config, BATCH)["tokens"]
+    params = model.init(jax.random.key(0), tokens)["params"]
+    tx = optax.adamw(1e-2, eps=1e-5)
+    state = (params, tx.init(params), jax.random.key(1))
+
+    @jax.jit
+    def loss_fn(p, tokens, key):
+        logits = model.apply({"params": p}, tokens, deterministic=False, rngs={"dropout": key})
+        return train.next_token_loss(logits, tokens)
+
+    def step(state, batch):
+        params, opt_state, key = state
+        key, sub = jax.random.split(key)
+        loss, grads = autopar.value_and_grad(loss_fn)(params, batch["tokens"], sub)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), loss
+
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    # One microbatch: the dropout masks are drawn for the same shape, so they match.
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=1)
+
+
+@pytest.mark.parametrize("overrides,num_stages", [({"remat": True}, 2), ({"scan_layers": True, "remat": True}, 2)])
+def test_remat_and_scanned_layer_stacks(overrides, num_stages):
+    step, state, batches = _gpt("linen", "sgd", **overrides)
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=num_stages, num_microbatches=2)
+
+
+class _BNNet(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(32, 64, rngs=rngs)
+        self.bn = nnx.BatchNorm(64, rngs=rngs)
+        self.b = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(jax.nn.relu(self.bn(self.a(x))))
+
+
+def test_nnx_batchnorm_state_is_updated():
+    model = _BNNet(nnx.Rngs(0))
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)))
+
+    def step(state, batch):
+        model, opt = nnx.merge(graphdef, state)
+
+        def loss_fn(m):
+            return optax.softmax_cross_entropy_with_integer_labels(m(batch["x"]), batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(model)
+        opt.update(model, grads)
+        return nnx.state((model, opt)), loss
+
+    config = train.tiny_config("mlp")
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    new_state, _ = par(state, batches[0])
+    mean = new_state[0]["bn"]["mean"].get_value()
+    assert not np.allclose(as_numpy(mean), 0.0)  # running statistics moved
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+def _mlp_step():
+    config = train.tiny_config("mlp")
+    step, state = train.setup("mlp", "linen", config, optax.sgd(0.1))
+    return step, state, train.make_batch("mlp", config, BATCH)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(num_microbatches=3), "batch size 16 is not divisible by num_microbatches=3"),
+    (dict(num_stages=16), "num_stages=16 is more than the 8 devices"),
+    (dict(num_stages=3), "8 devices cannot be split evenly among num_stages=3"),
+    (dict(num_stages=8), "4 heavy operations .* but 8 layers"),
+    (dict(batch_argnums=(5,)), r"batch_argnums=\(5,\) names argument 5"),
+])
+def test_bad_input_is_a_clear_error_before_any_work(options, message):
+    step, state, batch = _mlp_step()
+    before = [np.array(x) for x in jax.tree.leaves(state)]
+    par = autopar.autoparallel(step, **options)
+    with pytest.raises(ValueError, match=message):
+        par(state, batch)
+    # Inputs are untouched and still usable.
+    for a, b in zip(before, jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    jax.jit(step)(state, batch)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(num_microbatches=0), "num_microbatches must be a positive int, got 0"),
+    (dict(num_stages=0), "num_stages must be a positive int or 'auto', got 0"),
+    (dict(schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
+])
+def test_bad_options_fail_at_decoration(options, message):
+    with pytest.raises(ValueError, match=message):
+        autopar.autoparallel(lambda s, b: s, **options)
+
+
+def test_plain_jax_grad_runs_with_one_microbatch_and_errors_with_more():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+
+    def step(state, batch):
+        def loss_fn(p):
+            return train._loss("mlp", lambda x: state.apply_fn({"params": p}, x), batch)
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1)
+    with pytest.raises(ValueError, match="need the step to compute its gradient with autopar.value_and_grad"):
+        autopar.autoparallel(step, num_microbatches=2)(state, batches[0])
+
+
+# -- structure ---------------------------------------------------------------------------------
+
+def _blocks(sharding: NamedSharding, shape):
+    index_map = sharding.devices_indices_map(shape)
+    return [index_map[d] for d in sharding.mesh.devices.flat]
+
+
+def test_transfers_keep_per_device_blocks_and_meshes_are_disjoint():
+    step, state, batches = _gpt("linen", "sgd", tie_embeddings=True)
+    par = autopar.autoparallel(step, num_stages=4, num_microbatches=4)
+    exe = par.executable(state, batches[0])
+    meshes = [set(m.devices.flat) for m in exe.meshes]
+    assert all(not (a & b) for i, a in enumerate(meshes) for b in meshes[i + 1:])
+    transfers = [ins for ins in exe.program.instrs if isinstance(ins, Transfer)]
+    assert transfers
+    batch_split = 0
+    for t in transfers:
+        shape = t.key[0].aval.shape
+        src, dst = exe.sharding(t.key, t.src), exe.sharding(t.key, t.dst)
+        assert src.mesh.devices.shape == dst.mesh.devices.shape
+        assert _blocks(src, shape) == _blocks(dst, shape), t
+        batch_split += src.spec != jax.sharding.PartitionSpec()
+    assert batch_split > 0  # activations move sharded over the batch, not replicated
+    # And at run time the arrays that arrive carry exactly those shardings.
+    out, _ = par(state, batches[0])
+    for leaf in jax.tree.leaves(out):
+        assert len(leaf.sharding.device_set) in (2, 1)
+
+
+def test_data_parallel_stage_all_reduces_only_gradients():
+    step, state, batch = _mlp_step()
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=2)
+    exe = par.executable(state, batch)
+    par(state, batch)
+    all_reduces = {}
+    for task, fn in zip(exe.program.tasks, exe.fns, strict=True):
+        args = [jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, task.stage))
+                for k in task.in_keys]
+        hlo = fn.lower(*args).compile().as_text()
+        all_reduces[(task.label[0], task.stage)] = hlo.count("all-reduce(")
+    # The first stage's forward needs no collective; the last stage's forward
+    # all-reduces only the batch mean of the loss; every backward all-reduces the
+    # parameter gradients.
+    assert all_reduces[("F", 0)] == 0
+    assert all_reduces[("F", 1)] >= 1
+    assert all_reduces[("B", 0)] >= 1 and all_reduces[("B", 1)] >= 1
+
+
+def test_buffers_are_freed_after_the_step():
+    step, state, batches = _gpt("linen", "sgd")
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=4)
+    out = par(state, batches[0])
+    jax.block_until_ready(out)
+    del out
+    baseline = len(jax.live_arrays())
+    out = par(state, batches[1])
+    jax.block_until_ready(out)
+    # Only the step's outputs (new state and loss) remain alive.
+    assert len(jax.live_arrays()) - baseline == len(jax.tree.leaves(out))
