@@ -39,7 +39,9 @@ def assert_same_as_jit(step, state, batches, tol, **options):
     for a, b in zip(leaves_par, leaves_ref, strict=True):
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **tol)
     # Training moved the parameters: the comparison is not between two untouched states.
-    moved = [not np.allclose(as_numpy(a), as_numpy(b)) for a, b in
-             zip(jax.tree.leaves(state), leaves_par, strict=True)]
+    moved = [
+        not np.allclose(as_numpy(a), as_numpy(b))
+        for a, b in zip(jax.tree.leaves(state), leaves_par, strict=True)
+    ]
     assert any(moved)
     return par

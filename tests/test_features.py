@@ -1,7 +1,6 @@
 """Runtime features beyond the basic matrix: shared parameters, cross-stage
 update reductions, model styles users bring, errors, transfers and buffers."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +27,9 @@ def _gpt(api="linen", opt="adamw", **overrides):
 @pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_tied_embeddings_across_stages(api):
     step, state, batches = _gpt(api, tie_embeddings=True)
-    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"],
-                             num_stages=4, num_microbatches=4, schedule="1f1b")
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=4, num_microbatches=4, schedule="1f1b"
+    )
     exe = par.executable(state, batches[0])
     # The embedding table is read by the first stage (lookup) and the last (logits).
     leaves = jax.tree.leaves(state)
@@ -44,20 +44,24 @@ def test_global_norm_clipping_across_stages():
     tx = optax.chain(optax.clip_by_global_norm(clip), optax.sgd(0.5))
     step, state = train.setup("gpt", "linen", config, tx)
     batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+
     # Clipping is active: the unclipped gradient norm is well above the threshold.
     def loss(p):
         return train._loss("gpt", lambda x: state.apply_fn({"params": p}, x), batches[0])
+
     assert optax.tree.norm(jax.grad(loss)(state.params)) > 10 * clip
-    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"],
-                             num_stages=4, num_microbatches=2, schedule="gpipe")
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["sgd"], num_stages=4, num_microbatches=2, schedule="gpipe"
+    )
     # The global norm sums squares from every stage: some update task reads a value
     # made on another stage after the pipeline.
     exe = par.executable(state, batches[0])
     post = [i for i, t in enumerate(exe.program.tasks) if "post" in t.label]
     assert len({exe.program.tasks[i].stage for i in post}) == 4
     first_post = min(post)
-    later = exe.program.instrs[[n for n, ins in enumerate(exe.program.instrs)
-                                if getattr(ins, "task", -1) == first_post][0]:]
+    later = exe.program.instrs[
+        [n for n, ins in enumerate(exe.program.instrs) if getattr(ins, "task", -1) == first_post][0] :
+    ]
     assert any(isinstance(ins, Transfer) for ins in later)
 
 
@@ -106,7 +110,9 @@ def test_nested_jits_dropout_and_rng_like_hugging_face():
     assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=1)
 
 
-@pytest.mark.parametrize("overrides,num_stages", [({"remat": True}, 2), ({"scan_layers": True, "remat": True}, 2)])
+@pytest.mark.parametrize(
+    "overrides,num_stages", [({"remat": True}, 2), ({"scan_layers": True, "remat": True}, 2)]
+)
 def test_remat_and_scanned_layer_stacks(overrides, num_stages):
     step, state, batches = _gpt("linen", "sgd", **overrides)
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=num_stages, num_microbatches=2)
@@ -146,19 +152,23 @@ def test_nnx_batchnorm_state_is_updated():
 
 # -- errors ----------------------------------------------------------------------------------
 
+
 def _mlp_step():
     config = train.tiny_config("mlp")
     step, state = train.setup("mlp", "linen", config, optax.sgd(0.1))
     return step, state, train.make_batch("mlp", config, BATCH)
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(num_microbatches=3), "batch size 16 is not divisible by num_microbatches=3"),
-    (dict(num_stages=16), "num_stages=16 is more than the 8 devices"),
-    (dict(num_stages=3), "8 devices cannot be split evenly among num_stages=3"),
-    (dict(num_stages=8), "4 heavy operations .* but 8 layers"),
-    (dict(batch_argnums=(5,)), r"batch_argnums=\(5,\) names argument 5"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(num_microbatches=3), "batch size 16 is not divisible by num_microbatches=3"),
+        (dict(num_stages=16), "num_stages=16 is more than the 8 devices"),
+        (dict(num_stages=3), "8 devices cannot be split evenly among num_stages=3"),
+        (dict(num_stages=8), "4 heavy operations .* but 8 layers"),
+        (dict(batch_argnums=(5,)), r"batch_argnums=\(5,\) names argument 5"),
+    ],
+)
 def test_bad_input_is_a_clear_error_before_any_work(options, message):
     step, state, batch = _mlp_step()
     before = [np.array(x) for x in jax.tree.leaves(state)]
@@ -171,11 +181,14 @@ def test_bad_input_is_a_clear_error_before_any_work(options, message):
     jax.jit(step)(state, batch)
 
 
-@pytest.mark.parametrize("options,message", [
-    (dict(num_microbatches=0), "num_microbatches must be a positive int, got 0"),
-    (dict(num_stages=0), "num_stages must be a positive int or 'auto', got 0"),
-    (dict(schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
-])
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(num_microbatches=0), "num_microbatches must be a positive int, got 0"),
+        (dict(num_stages=0), "num_stages must be a positive int or 'auto', got 0"),
+        (dict(schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
+    ],
+)
 def test_bad_options_fail_at_decoration(options, message):
     with pytest.raises(ValueError, match=message):
         autopar.autoparallel(lambda s, b: s, **options)
@@ -188,6 +201,7 @@ def test_plain_jax_grad_runs_with_one_microbatch_and_errors_with_more():
     def step(state, batch):
         def loss_fn(p):
             return train._loss("mlp", lambda x: state.apply_fn({"params": p}, x), batch)
+
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
@@ -199,6 +213,7 @@ def test_plain_jax_grad_runs_with_one_microbatch_and_errors_with_more():
 
 # -- structure ---------------------------------------------------------------------------------
 
+
 def _blocks(sharding: NamedSharding, shape):
     index_map = sharding.devices_indices_map(shape)
     return [index_map[d] for d in sharding.mesh.devices.flat]
@@ -209,7 +224,7 @@ def test_transfers_keep_per_device_blocks_and_meshes_are_disjoint():
     par = autopar.autoparallel(step, num_stages=4, num_microbatches=4)
     exe = par.executable(state, batches[0])
     meshes = [set(m.devices.flat) for m in exe.meshes]
-    assert all(not (a & b) for i, a in enumerate(meshes) for b in meshes[i + 1:])
+    assert all(not (a & b) for i, a in enumerate(meshes) for b in meshes[i + 1 :])
     transfers = [ins for ins in exe.program.instrs if isinstance(ins, Transfer)]
     assert transfers
     batch_split = 0
@@ -233,8 +248,10 @@ def test_data_parallel_stage_all_reduces_only_gradients():
     par(state, batch)
     all_reduces = {}
     for task, fn in zip(exe.program.tasks, exe.fns, strict=True):
-        args = [jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, task.stage))
-                for k in task.in_keys]
+        args = [
+            jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, task.stage))
+            for k in task.in_keys
+        ]
         hlo = fn.lower(*args).compile().as_text()
         all_reduces[(task.label[0], task.stage)] = hlo.count("all-reduce(")
     # The first stage's forward needs no collective; the last stage's forward

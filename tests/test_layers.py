@@ -17,7 +17,9 @@ def _mlp_loss(params, x):
 
 def _params(sizes, seed=0):
     rng = np.random.RandomState(seed)
-    return [jnp.asarray(rng.randn(a, b).astype(np.float32)) for a, b in zip(sizes[:-1], sizes[1:])]
+    return [
+        jnp.asarray(rng.randn(a, b).astype(np.float32)) for a, b in zip(sizes[:-1], sizes[1:], strict=False)
+    ]
 
 
 def _region(loss, args, num_layers):
@@ -33,8 +35,16 @@ def test_boundaries_are_mirrored_in_the_backward():
     params = _params([8, 16, 16, 16, 4])
     _, info = _region(_mlp_loss, (params, jnp.ones((4, 8))), num_layers=4)
     marks = [(e.params["kind"], e.params["index"]) for e in info.jaxpr.eqns if layers.is_boundary(e)]
-    assert marks == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("fwd", 3),
-                     ("bwd", 3), ("bwd", 2), ("bwd", 1), ("bwd", 0)]
+    assert marks == [
+        ("fwd", 0),
+        ("fwd", 1),
+        ("fwd", 2),
+        ("fwd", 3),
+        ("bwd", 3),
+        ("bwd", 2),
+        ("bwd", 1),
+        ("bwd", 0),
+    ]
 
 
 def test_cuts_balance_matmul_flops():

@@ -15,8 +15,13 @@ def _case(kind, api, num_stages, num_mb, sched, opt):
     step, state = train.setup(kind, api, config, OPTIMIZERS[opt]())
     batches = [train.make_batch(kind, config, BATCH, seed=i) for i in range(3)]
     par = assert_same_as_jit(
-        step, state, batches, TOLERANCES[opt],
-        num_stages=num_stages, num_microbatches=num_mb, schedule=sched,
+        step,
+        state,
+        batches,
+        TOLERANCES[opt],
+        num_stages=num_stages,
+        num_microbatches=num_mb,
+        schedule=sched,
     )
     plan = par.plan(state, batches[0])
     assert plan.num_stages == num_stages and plan.num_microbatches == num_mb
@@ -24,9 +29,11 @@ def _case(kind, api, num_stages, num_mb, sched, opt):
     assert sorted(ids) == list(range(8))
 
 
-ALL = list(itertools.product(
-    ["mlp", "gpt"], ["linen", "nnx"], [1, 2, 4], [1, 4], ["gpipe", "1f1b"], ["sgd", "adamw"]
-))
+ALL = list(
+    itertools.product(
+        ["mlp", "gpt"], ["linen", "nnx"], [1, 2, 4], [1, 4], ["gpipe", "1f1b"], ["sgd", "adamw"]
+    )
+)
 # A covering subset runs by default: every value of every axis, and every pair of
 # (stages, microbatches, schedule), on both models and both APIs.
 DEFAULT = [

@@ -12,7 +12,9 @@ def test_every_task_once_and_dependencies_respected(name, num_stages, num_mb):
     order = schedule.dispatch_order(per_stage)
     expected = {
         schedule.PipeTask(stage=s, microbatch=j, pass_=p)
-        for s in range(num_stages) for j in range(num_mb) for p in "FB"
+        for s in range(num_stages)
+        for j in range(num_mb)
+        for p in "FB"
     }
     assert len(order) == len(expected) and set(order) == expected
     position = {t: i for i, t in enumerate(order)}
@@ -32,9 +34,7 @@ def test_1f1b_bounds_in_flight_microbatches(num_stages, num_mb):
             in_flight += 1 if t.pass_ == "F" else -1
             peak = max(peak, in_flight)
         assert peak == min(num_stages - s, num_mb)
-    gpipe_peak = max(
-        sum(1 for t in tasks if t.pass_ == "F") for tasks in schedule.gpipe(num_stages, num_mb)
-    )
+    gpipe_peak = max(sum(1 for t in tasks if t.pass_ == "F") for tasks in schedule.gpipe(num_stages, num_mb))
     assert gpipe_peak == num_mb
 
 
@@ -46,7 +46,10 @@ def test_1f1b_hand_checked_two_stages():
 
 def test_deadlock_is_reported():
     bad = (
-        (schedule.PipeTask(stage=0, microbatch=0, pass_="B"), schedule.PipeTask(stage=0, microbatch=0, pass_="F")),
+        (
+            schedule.PipeTask(stage=0, microbatch=0, pass_="B"),
+            schedule.PipeTask(stage=0, microbatch=0, pass_="F"),
+        ),
     )
     with pytest.raises(ValueError, match="deadlocks"):
         schedule.dispatch_order(bad)

@@ -126,12 +126,11 @@ class AutoParallel:
         num_stages = _num_stages(opts, len(devices))
         mb = batch_size // opts.num_microbatches if batch_size else 0
         leaves, in_tree = jax.tree.flatten(args)
-        abstract = [
-            _abstract(x, mb if i in batch_ids else None) for i, x in enumerate(leaves)
-        ]
+        abstract = [_abstract(x, mb if i in batch_ids else None) for i, x in enumerate(leaves)]
         cuts = opts.plan.cuts if opts.plan is not None else None
         step = trace.trace_step(
-            self.fn, jax.tree.unflatten(in_tree, abstract),
+            self.fn,
+            jax.tree.unflatten(in_tree, abstract),
             trace.TraceOptions(num_layers=num_stages, cuts=cuts),
         )
         region_at = step.region_index()
@@ -156,8 +155,9 @@ class AutoParallel:
             )
         program = partition.build_program(step, plan, batch_ids, mb)
         meshes = driver.stage_meshes(plan, devices)
-        return driver.Executable(program=program, plan=plan, step=step, meshes=meshes,
-                                 batch_leaf_ids=tuple(batch_ids))
+        return driver.Executable(
+            program=program, plan=plan, step=step, meshes=meshes, batch_leaf_ids=tuple(batch_ids)
+        )
 
 
 def _aval_key(x: Any) -> Any:
@@ -228,7 +228,10 @@ def _num_stages(opts: Options, num_devices: int) -> int:
 
 
 def _make_plan(
-    opts: Options, cuts: tuple[int, ...], flops: tuple[float, ...], num_stages: int,
+    opts: Options,
+    cuts: tuple[int, ...],
+    flops: tuple[float, ...],
+    num_stages: int,
     devices: Sequence[Any],
 ) -> Plan:
     per = len(devices) // num_stages

@@ -85,8 +85,15 @@ def _signature(task: Task, specs_in: tuple[Any, ...], specs_out: tuple[Any, ...]
 
     ins = tuple(c(k) for k in task.in_keys)
     ops = tuple(
-        (op.kind, id(op.eqn), op.mode, op.divisor, None if op.aval is None else str(op.aval), tuple(c(k) for k in op.ins),
-         tuple(None if k is None else c(k) for k in op.outs))
+        (
+            op.kind,
+            id(op.eqn),
+            op.mode,
+            op.divisor,
+            None if op.aval is None else str(op.aval),
+            tuple(c(k) for k in op.ins),
+            tuple(None if k is None else c(k) for k in op.outs),
+        )
         for op in task.ops
     )
     outs = tuple(c(k) for k in task.out_keys)
@@ -149,8 +156,13 @@ class Executable:
     def _compile_instr(self, ins: Any) -> tuple[Any, ...]:
         if isinstance(ins, Run):
             t = self.program.tasks[ins.task]
-            return ("run", self.fns[ins.task], tuple((k, t.stage) for k in t.in_keys),
-                    tuple((k, t.stage) for k in t.out_keys), ins.frees)
+            return (
+                "run",
+                self.fns[ins.task],
+                tuple((k, t.stage) for k in t.in_keys),
+                tuple((k, t.stage) for k in t.out_keys),
+                ins.frees,
+            )
         return ("put", (ins.key, ins.src), (ins.key, ins.dst), self.sharding(ins.key, ins.dst), ins.frees)
 
     def _place_inputs(self, leaves: Sequence[Any]) -> dict[tuple[Key, int], Any]:

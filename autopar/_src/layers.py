@@ -89,10 +89,7 @@ def live_across(jaxpr: Any, cuts: Sequence[int]) -> list[list[Any]]:
         for v in eqn.outvars:
             if not compat.is_dropvar(v):
                 defined_at[v] = i
-    return [
-        [v for v, d in defined_at.items() if d < p and last_use.get(v, -1) >= p]
-        for p in cuts
-    ]
+    return [[v for v, d in defined_at.items() if d < p and last_use.get(v, -1) >= p] for p in cuts]
 
 
 def _live_bytes_per_position(jaxpr: Any) -> np.ndarray:
@@ -169,13 +166,13 @@ def layer_flops_for_cuts(jaxpr: Any, cuts: Sequence[int]) -> tuple[float, ...]:
     """
     n = len(jaxpr.eqns)
     bounds = [0, *cuts, n]
-    if any(not a < b for a, b in zip(bounds[:-1], bounds[1:])):
+    if any(not a < b for a, b in zip(bounds[:-1], bounds[1:], strict=False)):
         raise ValueError(
             f"Layer cuts {tuple(cuts)} are not increasing positions in a loss of {n} "
             "equations; the plan does not match this step."
         )
     flops = [cost.eqn_flops(e) for e in jaxpr.eqns]
-    return tuple(float(sum(flops[a:b])) for a, b in zip(bounds[:-1], bounds[1:]))
+    return tuple(float(sum(flops[a:b])) for a, b in zip(bounds[:-1], bounds[1:], strict=False))
 
 
 def eval_with_boundaries(

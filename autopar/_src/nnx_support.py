@@ -19,7 +19,10 @@ def _is_graph(x: Any) -> bool:
 
 
 def call_value_and_grad(
-    inner: Callable[..., Any], fun: Callable[..., Any], argnums: int | Sequence[int], has_aux: bool,
+    inner: Callable[..., Any],
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int],
+    has_aux: bool,
     args: tuple[Any, ...],
 ) -> Any:
     """Calls ``inner(fun, argnums, has_aux, args)``, adapting NNX module arguments."""

@@ -241,14 +241,18 @@ def build_program(
 
     # Per-microbatch equations before the region run inside the forward tasks.
     in_forward = {
-        i for i in outer
+        i
+        for i in outer
         if region_at is not None and i < region_at and any(v in per_mb for v in _eqn_outvars(eqns[i]))
     }
     once = [i for i in outer if i not in in_forward]
     # made_by[var] = (level, stage) of the once-per-step op that makes it. Region
     # outputs are finished (averaged) at level 0 of the post phase on their stage.
-    made_by: dict[Any, tuple[int, int]] = {ov: (0, st) for ov, st in producer_stage.items()
-                                          if region_at is not None and ov in set(eqns[region_at].outvars)}
+    made_by: dict[Any, tuple[int, int]] = {
+        ov: (0, st)
+        for ov, st in producer_stage.items()
+        if region_at is not None and ov in set(eqns[region_at].outvars)
+    }
     level: dict[int, int] = {}
     for i in once:
         lv = 0
@@ -262,8 +266,12 @@ def build_program(
 
     def outer_op(i: int, j: int | None) -> Op:
         e = eqns[i]
-        return Op(kind="eqn", eqn=e, ins=tuple(okey(a, j) for a in e.invars),
-                  outs=tuple(None if compat.is_dropvar(v) else okey(v, j) for v in e.outvars))
+        return Op(
+            kind="eqn",
+            eqn=e,
+            ins=tuple(okey(a, j) for a in e.invars),
+            outs=tuple(None if compat.is_dropvar(v) else okey(v, j) for v in e.outvars),
+        )
 
     pre_groups: dict[tuple[int, int], list[Op]] = {}
     post_groups: dict[tuple[int, int], list[Op]] = {}
@@ -277,8 +285,10 @@ def build_program(
         groups.setdefault((level[i], stage_of[i]), []).append(outer_op(i, None))
 
     def once_tasks(phase: str, groups: dict[tuple[int, int], list[Op]]) -> list[Task]:
-        return [Task(stage=st, label=f"{phase}{lv}", ops=ops, repeated=False)
-                for (lv, st), ops in sorted(groups.items(), key=lambda kv: kv[0])]
+        return [
+            Task(stage=st, label=f"{phase}{lv}", ops=ops, repeated=False)
+            for (lv, st), ops in sorted(groups.items(), key=lambda kv: kv[0])
+        ]
 
     tasks: list[Task] = once_tasks("pre", pre_groups)
     if region_at is not None:
@@ -289,8 +299,14 @@ def build_program(
             if t.pass_ == "F":
                 ops += [outer_op(i, j) for i in sorted(in_forward) if stage_of[i] == t.stage]
             for e in stage_ops.get(where, []):
-                ops.append(Op(kind="eqn", eqn=e, ins=tuple(rkey(a, j) for a in e.invars),
-                              outs=tuple(None if compat.is_dropvar(v) else (v, j) for v in e.outvars)))
+                ops.append(
+                    Op(
+                        kind="eqn",
+                        eqn=e,
+                        ins=tuple(rkey(a, j) for a in e.invars),
+                        outs=tuple(None if compat.is_dropvar(v) else (v, j) for v in e.outvars),
+                    )
+                )
             for rv, ov in acc_specs.get(where, []):
                 ops.append(_accumulate(rkey(rv, j), ov, j, nmb))
             if ops:
@@ -341,8 +357,9 @@ def _fuse_adjacent(tasks: list[Task]) -> list[Task]:
     for t in tasks:
         prev = fused[-1] if fused else None
         if prev is not None and prev.stage == t.stage and not (prev.repeated or t.repeated):
-            fused[-1] = Task(stage=t.stage, label=f"{prev.label}+{t.label}", ops=prev.ops + t.ops,
-                             repeated=False)
+            fused[-1] = Task(
+                stage=t.stage, label=f"{prev.label}+{t.label}", ops=prev.ops + t.ops, repeated=False
+            )
         else:
             fused.append(t)
     return fused

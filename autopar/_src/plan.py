@@ -29,7 +29,9 @@ class StagePlan:
     def __post_init__(self) -> None:
         start, stop = self.layers
         if not 0 <= start < stop:
-            raise ValueError(f"StagePlan.layers must be (start, stop) with 0 <= start < stop, got {self.layers}")
+            raise ValueError(
+                f"StagePlan.layers must be (start, stop) with 0 <= start < stop, got {self.layers}"
+            )
         if len(self.mesh_shape) != len(self.axis_names):
             raise ValueError(
                 f"StagePlan.mesh_shape {self.mesh_shape} and axis_names {self.axis_names} differ in length"

@@ -28,7 +28,7 @@ def plan_table(plan: Plan) -> str:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape, strict=True))
         table.add_row(
             str(i),
-            f"{st.layers[0]}..{st.layers[1] - 1}",
+            str(st.layers[0]) if st.layers[1] - st.layers[0] == 1 else f"{st.layers[0]}..{st.layers[1] - 1}",
             ",".join(map(str, st.device_ids)),
             mesh,
             _flops(st.forward_flops),

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from autopar._src import compat, layers
 
@@ -92,7 +91,10 @@ def _normalize_argnums(argnums: int | Sequence[int], nargs: int) -> tuple[int, .
 
 
 def _region_value_and_grad(
-    fun: Callable[..., Any], argnums: int | Sequence[int], has_aux: bool, args: tuple[Any, ...],
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    args: tuple[Any, ...],
     options: TraceOptions,
 ) -> Any:
     nums = _normalize_argnums(argnums, len(args))
@@ -115,9 +117,7 @@ def _region_value_and_grad(
     fwd_jaxpr, outer_consts = compat.jaxpr_and_consts(fwd_closed)
     aux_tree = out_tree_box[-1]
 
-    flat_closed = jax.make_jaxpr(lambda c, d: layers.inline_calls(fwd_jaxpr, c, d))(
-        outer_consts, diff_leaves
-    )
+    flat_closed = jax.make_jaxpr(lambda c, d: layers.inline_calls(fwd_jaxpr, c, d))(outer_consts, diff_leaves)
     flat_jaxpr, flat_consts = compat.jaxpr_and_consts(flat_closed)
     if options.cuts is not None:
         cuts = options.cuts

@@ -1,0 +1,51 @@
+"""Command line: ``python -m autopar`` / ``autopar``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = """examples:
+  python -m autopar demo                      # GPT on 8 simulated CPU devices, 2 stages x 4 microbatches
+  python -m autopar demo --stages 4 --microbatches 8 --schedule gpipe --steps 20
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``autopar`` command."""
+    parser = argparse.ArgumentParser(
+        prog="autopar",
+        description="Automatic pipeline and sharding plans for JAX train steps.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="plan and train a small GPT on simulated CPU devices",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (default 8)")
+    demo.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    demo.add_argument("--microbatches", type=int, default=4, help="microbatches per step (default 4)")
+    demo.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    demo.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    demo.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from autopar._src import demo as demo_mod
+
+        return demo_mod.run(
+            num_devices=args.devices,
+            num_stages=args.stages,
+            num_microbatches=args.microbatches,
+            schedule=args.schedule,
+            steps=args.steps,
+            batch_size=args.batch_size,
+        )
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
