@@ -273,3 +273,33 @@ def test_buffers_are_freed_after_the_step():
     jax.block_until_ready(out)
     # Only the step's outputs (new state and loss) remain alive.
     assert len(jax.live_arrays()) - baseline == len(jax.tree.leaves(out))
+
+
+def test_donated_state_is_reused_and_survives_a_failing_call():
+    config = train.tiny_config("mlp")
+    step, state = train.setup("mlp", "linen", config, optax.adamw(1e-2, eps=1e-5))
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=2, donate_argnums=0)
+    ref = jax.jit(step)
+    s_ref = state
+    for b in batches:
+        s_ref, _ = ref(s_ref, b)
+    # The first call copies the caller's host-side state onto the stages; later calls
+    # get the state autopar returned, already in place, and reuse its buffers.
+    s1, _ = par(state, batches[0])
+    params_before = jax.tree.leaves(s1.params)
+    # A failing call (batch of 15 rows cannot make 2 microbatches) leaves s1 intact.
+    bad = {k: v[:15] for k, v in batches[1].items()}
+    with pytest.raises(ValueError, match="not divisible by num_microbatches=2"):
+        par(s1, bad)
+    assert not any(x.is_deleted() for x in params_before)
+    s2, _ = par(s1, batches[1])
+    assert all(x.is_deleted() for x in params_before)  # donated to the new parameters
+    s3, _ = par(s2, batches[2])
+    for a, b in zip(jax.tree.leaves(s3), jax.tree.leaves(s_ref), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["adamw"])
+
+
+def test_donate_and_batch_argnums_must_not_overlap():
+    with pytest.raises(ValueError, match="overlaps batch_argnums"):
+        autopar.autoparallel(lambda s, b: s, donate_argnums=(1,))

@@ -30,6 +30,8 @@ class Options:
     """Pipeline schedule."""
     plan: Plan | None = None
     """A plan to reuse instead of planning."""
+    donate_argnums: tuple[int, ...] = ()
+    """Positional arguments whose buffers the step may reuse for its outputs."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
@@ -40,6 +42,13 @@ class Options:
             raise ValueError(f"schedule={self.schedule!r} is not one of {schedule.SCHEDULES}")
         if any(not isinstance(a, int) for a in self.batch_argnums):
             raise ValueError(f"batch_argnums must be ints, got {self.batch_argnums!r}")
+        if any(not isinstance(a, int) for a in self.donate_argnums):
+            raise ValueError(f"donate_argnums must be ints, got {self.donate_argnums!r}")
+        if set(self.donate_argnums) & set(self.batch_argnums):
+            raise ValueError(
+                f"donate_argnums={self.donate_argnums} overlaps batch_argnums={self.batch_argnums}; "
+                "the batch is split into microbatches and cannot be donated"
+            )
         if self.devices is not None and len(self.devices) == 0:
             raise ValueError("devices is empty; pass at least one device or leave it as None")
 
@@ -54,6 +63,7 @@ def autoparallel(
     devices: Sequence[Any] | None = None,
     schedule: schedule.ScheduleName = "1f1b",
     plan: Plan | None = None,
+    donate_argnums: int | Sequence[int] = (),
 ) -> Any:
     """Runs a single-device train step as a pipeline of sharded stages.
 
@@ -69,10 +79,16 @@ def autoparallel(
       ...     loss, grads = autopar.value_and_grad(loss_fn)(state.params, batch)
       ...     return state.apply_gradients(grads=grads), loss
 
+    ``donate_argnums`` works as in ``jax.jit``: the buffers of those arguments are
+    reused for the outputs (typically the old state for the new one) and must not
+    be used after a successful call. Every check runs before anything is
+    dispatched, so a call that raises leaves its arguments valid.
+
     Raises:
       ValueError: for invalid options (here) or arguments (at the first call).
     """
     argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     options = Options(
         num_microbatches=num_microbatches,
         num_stages=num_stages,
@@ -80,6 +96,7 @@ def autoparallel(
         devices=None if devices is None else tuple(devices),
         schedule=schedule,
         plan=plan,
+        donate_argnums=donated,
     )
     if fn is None:
         return functools.partial(_wrap, options=options)
@@ -156,7 +173,12 @@ class AutoParallel:
         program = partition.build_program(step, plan, batch_ids, mb)
         meshes = driver.stage_meshes(plan, devices)
         return driver.Executable(
-            program=program, plan=plan, step=step, meshes=meshes, batch_leaf_ids=tuple(batch_ids)
+            program=program,
+            plan=plan,
+            step=step,
+            meshes=meshes,
+            batch_leaf_ids=tuple(batch_ids),
+            donated_leaf_ids=_leaf_ids(args, opts.donate_argnums),
         )
 
 
@@ -171,6 +193,27 @@ def _abstract(x: Any, rows: int | None) -> Any:
     aval = jax.typeof(x)
     shape = tuple(aval.shape) if rows is None else (rows, *aval.shape[1:])
     return jax.ShapeDtypeStruct(shape, aval.dtype)
+
+
+def _leaf_ids(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:
+    """Flat leaf indices of the positional arguments ``argnums``.
+
+    Raises:
+      ValueError: if an argnum is out of range.
+    """
+    ids: list[int] = []
+    offset = 0
+    wanted = set()
+    for a in argnums:
+        if not -len(args) <= a < len(args):
+            raise ValueError(f"argnum {a} is out of range for a step called with {len(args)} arguments")
+        wanted.add(a % len(args))
+    for pos, arg in enumerate(args):
+        n = len(jax.tree.leaves(arg))
+        if pos in wanted:
+            ids.extend(range(offset, offset + n))
+        offset += n
+    return tuple(ids)
 
 
 def _batch_leaves(args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int) -> tuple[list[int], int]:

@@ -109,6 +109,7 @@ class Executable:
     step: TracedStep
     meshes: list[Mesh]
     batch_leaf_ids: tuple[int, ...]
+    donated_leaf_ids: tuple[int, ...] = ()
     fns: list[Callable[..., Any]] = dataclasses.field(default_factory=list)
     num_compiled: int = 0
 
@@ -117,13 +118,19 @@ class Executable:
         self._consts = dict(self.step.const_bindings)
         self._placed_consts: dict[tuple[Key, int], Any] = {}
         cache: dict[tuple[Any, ...], Callable[..., Any]] = {}
-        for t in self.program.tasks:
+        donated_vars = {self.step.arg_vars[i] for i in self.donated_leaf_ids}
+        last_read: dict[int, set[Any]] = {}
+        for ins in self.program.instrs:
+            if isinstance(ins, Run):
+                last_read[ins.task] = {loc[0] for loc in ins.frees}
+        for ti, t in enumerate(self.program.tasks):
             s_in = tuple(self.spec(k, t.stage) for k in t.in_keys)
             s_out = tuple(self.spec(k, t.stage) for k in t.out_keys)
-            sig = _signature(t, s_in, s_out)
+            reusable = {k for k in t.in_keys if k[0] in donated_vars and k in last_read.get(ti, ())}
+            donate = _donatable(t, reusable)
+            sig = (_signature(t, s_in, s_out), donate)
             if sig not in cache:
                 mesh = self.meshes[t.stage]
-                donate = _donatable(t)
                 cache[sig] = jax.jit(
                     _task_fn(t),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
@@ -237,20 +244,22 @@ def _is_accumulator(key: Key) -> bool:
     return isinstance(tag, tuple) and tag[0] == "acc"
 
 
-def _donatable(task: Task) -> tuple[int, ...]:
-    """Accumulator inputs that an output of the same shape and dtype can reuse."""
+def _donatable(task: Task, reusable: set[Key]) -> tuple[int, ...]:
+    """Inputs whose buffers an output of the same shape and dtype can reuse.
+
+    Donated arguments read here for the last time (``reusable``) are matched to
+    outputs first, since the caller asked for them; then accumulators.
+    """
     free_outputs: dict[tuple[Any, ...], int] = {}
     for k in task.out_keys:
-        aval = k[0].aval
-        sig = (tuple(aval.shape), str(aval.dtype))
+        sig = (tuple(k[0].aval.shape), str(k[0].aval.dtype))
         free_outputs[sig] = free_outputs.get(sig, 0) + 1
     donate = []
-    for i, k in enumerate(task.in_keys):
-        if not _is_accumulator(k):
-            continue
-        aval = k[0].aval
-        sig = (tuple(aval.shape), str(aval.dtype))
-        if free_outputs.get(sig, 0) > 0 and jax.dtypes.issubdtype(aval.dtype, jnp.inexact):
-            free_outputs[sig] -= 1
-            donate.append(i)
-    return tuple(donate)
+    for wanted in (lambda k: k in reusable, _is_accumulator):
+        for i, k in enumerate(task.in_keys):
+            aval = k[0].aval
+            sig = (tuple(aval.shape), str(aval.dtype))
+            if i not in donate and wanted(k) and free_outputs.get(sig, 0) > 0:
+                free_outputs[sig] -= 1
+                donate.append(i)
+    return tuple(sorted(donate))
