@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import compat, cost
+from autopar._src import clustering, compat, cost
 
 BoundaryKind = Literal["fwd", "bwd"]
 
@@ -117,10 +117,9 @@ def _live_bytes_per_position(jaxpr: Any) -> np.ndarray:
 
 
 def choose_cuts(jaxpr: Any, num_layers: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Cuts the forward into ``num_layers`` FLOP-balanced layers.
-
-    Each layer holds at least one heavy equation; between two consecutive heavy
-    equations the cut goes where the fewest bytes are live.
+    """Cuts the forward into ``num_layers`` layers: FLOPs of heavy operations
+    balanced, then the fewest bytes live across the widest cut
+    (:func:`autopar._src.clustering.cluster_layers`).
 
     Returns:
       ``(cuts, layer_flops)``: ``num_layers - 1`` cut positions (a cut ``p`` is
@@ -130,32 +129,15 @@ def choose_cuts(jaxpr: Any, num_layers: int) -> tuple[tuple[int, ...], tuple[flo
       ValueError: if the forward has fewer heavy equations than ``num_layers``.
     """
     flops = np.array([cost.eqn_flops(e) for e in jaxpr.eqns], dtype=np.float64)
-    heavy = np.flatnonzero(flops > 0)
-    if num_layers < 1:
-        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    if len(heavy) < num_layers:
+    heavy = int(np.count_nonzero(flops))
+    if num_layers < 1 or heavy < num_layers:
         raise ValueError(
-            f"The loss function has {len(heavy)} heavy operations (matmuls/convolutions) "
-            f"that can be cut between, but {num_layers} layers were requested; use "
-            f"num_stages <= {max(len(heavy), 1)}. (Layers stacked inside one nn.scan or "
-            "lax.scan cannot be cut.)"
+            f"The loss function has {heavy} heavy operations (matmuls/convolutions) that can be cut "
+            f"between, but {num_layers} layers were requested; use num_stages <= {max(heavy, 1)}. "
+            "(Layers stacked inside one nn.scan or lax.scan cannot be cut.)"
         )
-    prefix = np.cumsum(flops[heavy])
-    total = prefix[-1]
-    live_bytes = _live_bytes_per_position(jaxpr)
-    cuts: list[int] = []
-    prev_count = 0
-    for k in range(1, num_layers):
-        lo, hi = prev_count + 1, len(heavy) - (num_layers - k)
-        counts = np.arange(lo, hi + 1)
-        target = total * k / num_layers
-        count = int(counts[np.argmin(np.abs(prefix[counts - 1] - target))])
-        # Cut anywhere after heavy eqn count-1 and up to heavy eqn count.
-        first, last = heavy[count - 1] + 1, heavy[count]
-        positions = np.arange(first, last + 1)
-        cuts.append(int(positions[np.argmin(live_bytes[positions])]))
-        prev_count = count
-    return tuple(cuts), layer_flops_for_cuts(jaxpr, cuts)
+    result = clustering.cluster_layers(flops, _live_bytes_per_position(jaxpr), num_layers=num_layers)
+    return result.cuts, result.layer_flops
 
 
 def layer_flops_for_cuts(jaxpr: Any, cuts: Sequence[int]) -> tuple[float, ...]:
