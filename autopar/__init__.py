@@ -1,8 +1,24 @@
 """autopar: automatic inter- and intra-operator parallelism for JAX train steps."""
 
 from autopar._src.api import AutoParallel, Options, autoparallel
+from autopar._src.cluster import ClusterSpec, DeviceSpec, parse_cluster
+from autopar._src.cluster import preset as cluster_preset
 from autopar._src.plan import Plan, StagePlan
+from autopar._src.stages import NoFeasiblePlanError
 from autopar._src.trace import grad, value_and_grad
 
-__all__ = ["AutoParallel", "Options", "Plan", "StagePlan", "autoparallel", "grad", "value_and_grad"]
+__all__ = [
+    "AutoParallel",
+    "ClusterSpec",
+    "DeviceSpec",
+    "NoFeasiblePlanError",
+    "Options",
+    "Plan",
+    "StagePlan",
+    "autoparallel",
+    "cluster_preset",
+    "grad",
+    "parse_cluster",
+    "value_and_grad",
+]
 __version__ = "0.1.0"

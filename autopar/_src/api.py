@@ -10,16 +10,17 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import driver, partition, schedule, trace
-from autopar._src.plan import Plan, StagePlan
+from autopar._src import driver, partition, planning, schedule
+from autopar._src.cluster import ClusterSpec
+from autopar._src.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
     """Options of :func:`autoparallel` (validated on construction)."""
 
-    num_microbatches: int = 1
-    """Microbatches each batch is split into (along the leading dim)."""
+    num_microbatches: int | Literal["auto"] = 1
+    """Microbatches each batch is split into (along the leading dim), or ``"auto"``."""
     num_stages: int | Literal["auto"] = "auto"
     """Pipeline stages, or ``"auto"`` to let autopar choose."""
     batch_argnums: tuple[int, ...] = (1,)
@@ -32,10 +33,16 @@ class Options:
     """A plan to reuse instead of planning."""
     donate_argnums: tuple[int, ...] = ()
     """Positional arguments whose buffers the step may reuse for its outputs."""
+    cluster: ClusterSpec | None = None
+    """Cluster the stage search plans for (default: a preset matching ``devices``)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
-            raise ValueError(f"num_microbatches must be a positive int, got {self.num_microbatches!r}")
+        if self.num_microbatches != "auto" and (
+            not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
+        ):
+            raise ValueError(
+                f"num_microbatches must be a positive int or 'auto', got {self.num_microbatches!r}"
+            )
         if self.num_stages != "auto" and (not isinstance(self.num_stages, int) or self.num_stages < 1):
             raise ValueError(f"num_stages must be a positive int or 'auto', got {self.num_stages!r}")
         if self.schedule not in schedule.SCHEDULES:
@@ -57,15 +64,22 @@ def autoparallel(
     fn: Callable[..., Any] | None = None,
     /,
     *,
-    num_microbatches: int = 1,
+    num_microbatches: int | Literal["auto"] = 1,
     num_stages: int | Literal["auto"] = "auto",
     batch_argnums: int | Sequence[int] = (1,),
     devices: Sequence[Any] | None = None,
     schedule: schedule.ScheduleName = "1f1b",
     plan: Plan | None = None,
     donate_argnums: int | Sequence[int] = (),
+    cluster: ClusterSpec | None = None,
 ) -> Any:
     """Runs a single-device train step as a pipeline of sharded stages.
+
+    With ``num_stages="auto"`` the loss is clustered into layers and Alpa's stage
+    DP chooses the stages, their submeshes and (with ``num_microbatches="auto"``)
+    the number of microbatches, for ``cluster`` (default: a preset matching the
+    devices), so that every stage fits its devices' memory. An int ``num_stages``
+    splits the loss into that many FLOP-balanced stages on equal submeshes.
 
     The step must compute its gradient with :func:`autopar.value_and_grad` (or
     :func:`autopar.grad`); the loss is cut into layers, grouped into stages on
@@ -97,6 +111,7 @@ def autoparallel(
         schedule=schedule,
         plan=plan,
         donate_argnums=donated,
+        cluster=cluster,
     )
     if fn is None:
         return functools.partial(_wrap, options=options)
@@ -139,37 +154,28 @@ class AutoParallel:
     def _build(self, args: tuple[Any, ...]) -> driver.Executable:
         opts = self.options
         devices = list(opts.devices) if opts.devices is not None else jax.devices()
-        batch_ids, batch_size = _batch_leaves(args, opts.batch_argnums, opts.num_microbatches)
-        num_stages = _num_stages(opts, len(devices))
-        mb = batch_size // opts.num_microbatches if batch_size else 0
-        leaves, in_tree = jax.tree.flatten(args)
-        abstract = [_abstract(x, mb if i in batch_ids else None) for i, x in enumerate(leaves)]
-        cuts = opts.plan.cuts if opts.plan is not None else None
-        step = trace.trace_step(
-            self.fn,
-            jax.tree.unflatten(in_tree, abstract),
-            trace.TraceOptions(num_layers=num_stages, cuts=cuts),
-        )
-        region_at = step.region_index()
-        if region_at is None:
-            if opts.num_microbatches > 1 or num_stages > 1:
-                raise ValueError(
-                    f"num_microbatches={opts.num_microbatches} and num_stages={num_stages} need "
-                    "the step to compute its gradient with autopar.value_and_grad or autopar.grad "
-                    "(the step has none, e.g. it uses jax.grad); switch to autopar's, or use "
-                    "num_microbatches=1 and num_stages=1."
-                )
-            cut_list: tuple[int, ...] = ()
-            flops: tuple[float, ...] = (0.0,)
-        else:
-            info = step.jaxpr.eqns[region_at].params["info"]
-            cut_list, flops = info.cuts, info.layer_flops
-        plan = _make_plan(opts, cut_list, flops, num_stages, devices)
-        if opts.plan is not None and opts.plan != plan:
-            raise ValueError(
-                "The given plan does not match this step and these devices: expected "
-                f"{opts.plan!r}, this step gives {plan!r}."
+        nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
+        batch_ids, batch_size = _batch_leaves(args, opts.batch_argnums, 1 if nmb == "auto" else nmb)
+        common = dict(batch_ids=batch_ids, batch_size=batch_size, devices=devices)
+        if opts.plan is not None:
+            step, plan = planning.reuse_plan(self.fn, args, plan=opts.plan, **common)
+        elif opts.num_stages == "auto":
+            step, plan = planning.auto_plan(
+                self.fn, args, num_microbatches=None if nmb == "auto" else nmb, schedule=opts.schedule,
+                spec=opts.cluster, **common,
             )
+        else:
+            _check_num_stages(opts.num_stages, len(devices))
+            if nmb == "auto":
+                raise ValueError(
+                    "num_microbatches='auto' needs num_stages='auto' (the stage search chooses both); "
+                    f"with num_stages={opts.num_stages} give num_microbatches as an int."
+                )
+            step, plan = planning.uniform_plan(
+                self.fn, args, num_stages=opts.num_stages, num_microbatches=nmb, schedule=opts.schedule,
+                **common,
+            )
+        mb = batch_size // plan.num_microbatches if batch_size else 0
         program = partition.build_program(step, plan, batch_ids, mb)
         meshes = driver.stage_meshes(plan, devices)
         return driver.Executable(
@@ -187,12 +193,6 @@ def _aval_key(x: Any) -> Any:
     # (e.g. TrainState.step) share one compiled program.
     aval = jax.typeof(x)
     return (tuple(aval.shape), str(aval.dtype))
-
-
-def _abstract(x: Any, rows: int | None) -> Any:
-    aval = jax.typeof(x)
-    shape = tuple(aval.shape) if rows is None else (rows, *aval.shape[1:])
-    return jax.ShapeDtypeStruct(shape, aval.dtype)
 
 
 def _leaf_ids(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:
@@ -256,42 +256,13 @@ def _batch_leaves(args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int) -> 
     return ids, size
 
 
-def _num_stages(opts: Options, num_devices: int) -> int:
-    n = 1 if opts.num_stages == "auto" else opts.num_stages
-    if opts.plan is not None:
-        n = opts.plan.num_stages
-    if n > num_devices:
-        raise ValueError(f"num_stages={n} is more than the {num_devices} devices; use at most {num_devices}.")
-    if num_devices % n:
+def _check_num_stages(num_stages: int, num_devices: int) -> None:
+    if num_stages > num_devices:
         raise ValueError(
-            f"{num_devices} devices cannot be split evenly among num_stages={n}; choose a "
-            f"num_stages that divides {num_devices}, or pass devices= with a multiple of {n}."
+            f"num_stages={num_stages} is more than the {num_devices} devices; use at most {num_devices}."
         )
-    return n
-
-
-def _make_plan(
-    opts: Options,
-    cuts: tuple[int, ...],
-    flops: tuple[float, ...],
-    num_stages: int,
-    devices: Sequence[Any],
-) -> Plan:
-    per = len(devices) // num_stages
-    stages = tuple(
-        StagePlan(
-            layers=(i, i + 1),
-            device_ids=tuple(d.id for d in devices[i * per : (i + 1) * per]),
-            mesh_shape=(per,),
-            axis_names=(driver.DATA_AXIS,),
-            forward_flops=flops[i],
+    if num_devices % num_stages:
+        raise ValueError(
+            f"{num_devices} devices cannot be split evenly among num_stages={num_stages}; choose a "
+            f"num_stages that divides {num_devices}, or pass devices= with a multiple of {num_stages}."
         )
-        for i in range(num_stages)
-    )
-    return Plan(
-        num_microbatches=opts.num_microbatches,
-        schedule=opts.schedule,
-        cuts=cuts,
-        layer_flops=flops,
-        stages=stages,
-    )

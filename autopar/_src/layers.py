@@ -116,10 +116,12 @@ def _live_bytes_per_position(jaxpr: Any) -> np.ndarray:
     return np.cumsum(diff)[: n + 1]
 
 
-def choose_cuts(jaxpr: Any, num_layers: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def choose_cuts(jaxpr: Any, num_layers: int | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """Cuts the forward into ``num_layers`` layers: FLOPs of heavy operations
     balanced, then the fewest bytes live across the widest cut
     (:func:`autopar._src.clustering.cluster_layers`).
+
+    ``num_layers=None`` lets the clustering choose how many layers.
 
     Returns:
       ``(cuts, layer_flops)``: ``num_layers - 1`` cut positions (a cut ``p`` is
@@ -130,7 +132,7 @@ def choose_cuts(jaxpr: Any, num_layers: int) -> tuple[tuple[int, ...], tuple[flo
     """
     flops = np.array([cost.eqn_flops(e) for e in jaxpr.eqns], dtype=np.float64)
     heavy = int(np.count_nonzero(flops))
-    if num_layers < 1 or heavy < num_layers:
+    if num_layers is not None and (num_layers < 1 or heavy < num_layers):
         raise ValueError(
             f"The loss function has {heavy} heavy operations (matmuls/convolutions) that can be cut "
             f"between, but {num_layers} layers were requested; use num_stages <= {max(heavy, 1)}. "

@@ -25,6 +25,10 @@ class StagePlan:
     """Names of the stage's mesh axes (the batch is split over ``"data"``)."""
     forward_flops: float
     """FLOPs of the stage's forward per microbatch (heavy operations only)."""
+    latency: float = 0.0
+    """Predicted seconds of one microbatch's forward and backward (0: not predicted)."""
+    memory_bytes: float = 0.0
+    """Predicted peak bytes per device under the schedule (0: not predicted)."""
 
     def __post_init__(self) -> None:
         start, stop = self.layers
@@ -65,6 +69,10 @@ class Plan:
     """Forward FLOPs of each layer per microbatch."""
     stages: tuple[StagePlan, ...]
     """The pipeline stages, first to last."""
+    predicted_step_time: float = 0.0
+    """Predicted seconds per step (0: not predicted)."""
+    memory_budget: float = 0.0
+    """Bytes of memory per device the plan was made for (0: unknown)."""
     version: int = PLAN_VERSION
     """Format version of the plan."""
 

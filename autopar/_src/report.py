@@ -19,10 +19,18 @@ def _flops(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _bytes(x: float, budget: float) -> str:
+    text = f"{x / 2**20:.1f} MiB"
+    return f"{text} / {budget / 2**30:.1f} GiB" if budget else text
+
+
 def plan_table(plan: Plan) -> str:
     """The plan as a text table: one row per stage, then the schedule."""
     table = Table(title="autopar plan", title_justify="left")
-    for col in ("stage", "layers", "devices", "mesh", "fwd FLOPs / microbatch"):
+    predicted = any(st.latency for st in plan.stages)
+    cols = ["stage", "layers", "devices", "mesh", "fwd FLOPs / microbatch"]
+    cols += ["time / microbatch", "memory / device"] if predicted else []
+    for col in cols:
         table.add_column(col)
     for i, st in enumerate(plan.stages):
         mesh = " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape, strict=True))
@@ -32,12 +40,16 @@ def plan_table(plan: Plan) -> str:
             ",".join(map(str, st.device_ids)),
             mesh,
             _flops(st.forward_flops),
+            *([f"{st.latency * 1e3:.2f} ms", _bytes(st.memory_bytes, plan.memory_budget)] if predicted else []),
         )
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=False, color_system=None)
     console.print(table)
-    console.print(
+    summary = (
         f"schedule={plan.schedule}  microbatches={plan.num_microbatches}  "
         f"layers={plan.num_layers}  stages={plan.num_stages}"
     )
+    if plan.predicted_step_time:
+        summary += f"  predicted step {plan.predicted_step_time * 1e3:.2f} ms"
+    console.print(summary)
     return buf.getvalue().rstrip()

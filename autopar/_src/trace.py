@@ -24,8 +24,8 @@ from autopar._src import compat, layers
 class TraceOptions:
     """How ``value_and_grad`` cuts the loss while ``@autoparallel`` traces a step."""
 
-    num_layers: int
-    """Number of forward layers to cut the loss into."""
+    num_layers: int | None
+    """Number of forward layers to cut the loss into (None: chosen by the clustering)."""
     cuts: tuple[int, ...] | None = None
     """Cut positions to reuse (from a saved plan) instead of choosing them."""
 

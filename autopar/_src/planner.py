@@ -1,0 +1,151 @@
+"""The inter-operator planner: layer profile + cluster spec -> stages on submeshes.
+
+Analytic costs feed Alpa's stage DP (:func:`autopar._src.stages.solve_stages`):
+a stage's latency per microbatch is its forward+backward FLOPs over the devices'
+peak, plus tensor-parallel all-reduces of activations, the data-parallel gradient
+all-reduce spread over the step's microbatches, the point-to-point copy of its
+boundary activations and a fixed dispatch cost per task; its memory is parameters,
+gradients and optimizer state (divided over the tensor-parallel axis) plus the
+activations one microbatch stashes for the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from autopar._src import cluster as cluster_mod
+from autopar._src import stages
+from autopar._src.profile import LayerProfile
+
+DEFAULT_TASK_OVERHEAD = 1e-4
+"""Seconds of fixed cost per task: the measured dispatch of a jit on a 4-8 device CPU mesh."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageCosts:
+    """Cost arrays over (first layer, last layer, submesh, logical mesh)."""
+
+    latency: np.ndarray
+    """Seconds per microbatch (forward + backward) of each candidate stage."""
+    param_memory: np.ndarray
+    """Per-device bytes of parameters, gradients and optimizer state."""
+    activation_memory: np.ndarray
+    """Per-device bytes one in-flight microbatch keeps for the backward."""
+    submeshes: tuple[tuple[int, int], ...]
+    """Submesh shapes ``(hosts, devices)``."""
+    logical: tuple[tuple[tuple[int, int], ...], ...]
+    """Logical meshes ``(dp, tp)`` of each submesh."""
+
+
+def _allreduce(num_bytes: np.ndarray | float, n: int, link: cluster_mod.Link) -> np.ndarray | float:
+    """Ring all-reduce time of ``num_bytes`` over ``n`` devices."""
+    if n <= 1:
+        return 0.0 * num_bytes
+    return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def stage_costs(
+    profile: LayerProfile,
+    spec: cluster_mod.ClusterSpec,
+    *,
+    num_microbatches: int,
+    batch_scale: float = 1.0,
+    tensor_parallel: bool = True,
+    task_overhead: float = DEFAULT_TASK_OVERHEAD,
+) -> StageCosts:
+    """Analytic cost arrays for every contiguous layer range on every submesh.
+
+    Args:
+      profile: per-layer costs of one traced microbatch.
+      spec: the cluster.
+      num_microbatches: microbatches per step (the gradient all-reduce is spread over them).
+      batch_scale: microbatch size relative to the traced one (costs that grow with
+        the batch are scaled by it).
+      tensor_parallel: whether logical meshes may split tensors (``tp > 1``).
+      task_overhead: fixed seconds per forward or backward task.
+    """
+    submeshes = cluster_mod.submesh_shapes(spec)
+    logical = tuple(
+        tuple(s for s in cluster_mod.logical_shapes(m) if tensor_parallel or s[1] == 1) for m in submeshes
+    )
+    n_layers = profile.num_layers
+    q_max = max(len(q) for q in logical)
+    shape = (n_layers, n_layers, len(submeshes), q_max)
+    latency = np.full(shape, np.inf)
+    param_mem = np.full(shape, np.inf)
+    act_mem = np.full(shape, np.inf)
+
+    def ranges(x: np.ndarray) -> np.ndarray:
+        p = np.concatenate([[0.0], np.cumsum(x)])
+        return p[None, 1:] - p[:-1, None]  # [i, j] = sum of x[i..j]
+
+    flops = ranges((profile.forward_flops + profile.backward_flops) * batch_scale)
+    params = ranges(profile.param_bytes)
+    stash = ranges(profile.stash_bytes * batch_scale)
+    acts = ranges(profile.boundary_bytes * batch_scale)
+    out_bytes = np.broadcast_to(profile.boundary_bytes[None, :] * batch_scale, (n_layers, n_layers))
+    valid = np.triu(np.ones((n_layers, n_layers), dtype=bool))
+    peak = spec.device.flops(profile.dtype)
+    for k, mesh in enumerate(submeshes):
+        link = cluster_mod.link_for(spec, mesh)
+        for q, (dp, tp) in enumerate(logical[k]):
+            compute = flops / (dp * tp * peak)
+            # Megatron-style: two all-reduces of the activations per layer, forward and backward.
+            tp_comm = 4 * _allreduce(acts / dp, tp, link)
+            grad_sync = _allreduce(params / tp, dp, link) / num_microbatches
+            send = 2 * (out_bytes / dp / link.bandwidth + link.latency)
+            lat = compute + tp_comm + grad_sync + send + 2 * task_overhead
+            latency[:, :, k, q] = np.where(valid, lat, np.inf)
+            param_mem[:, :, k, q] = np.where(valid, params * (2.0 + profile.state_per_param) / tp, np.inf)
+            act_mem[:, :, k, q] = np.where(valid, stash / (dp * tp), np.inf)
+    return StageCosts(
+        latency=latency,
+        param_memory=param_mem,
+        activation_memory=act_mem,
+        submeshes=submeshes,
+        logical=logical,
+    )
+
+
+def solve(
+    profile: LayerProfile,
+    spec: cluster_mod.ClusterSpec,
+    *,
+    num_microbatches: int,
+    schedule: Literal["1f1b", "gpipe"],
+    batch_scale: float = 1.0,
+    tensor_parallel: bool = True,
+    layer_names: Sequence[str] | None = None,
+) -> tuple[stages.StageSolution, StageCosts]:
+    """Runs the stage DP on the analytic costs.
+
+    Raises:
+      NoFeasiblePlanError: if no plan fits the devices' memory.
+    """
+    costs = stage_costs(
+        profile, spec, num_microbatches=num_microbatches, batch_scale=batch_scale,
+        tensor_parallel=tensor_parallel,
+    )
+    solution = stages.solve_stages(
+        costs.latency,
+        costs.param_memory,
+        costs.activation_memory,
+        submesh_devices=[h * d for h, d in costs.submeshes],
+        memory_budget=float(spec.device.memory_bytes),
+        num_devices=spec.num_devices,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        layer_names=layer_names,
+        submesh_shapes=costs.submeshes,
+        logical_shapes=costs.logical,
+    )
+    return solution, costs
+
+
+def microbatch_candidates(batch_size: int, *, max_microbatches: int = 64) -> tuple[int, ...]:
+    """Microbatch counts that divide the batch, up to ``max_microbatches``."""
+    return tuple(b for b in range(1, min(batch_size, max_microbatches) + 1) if batch_size % b == 0)

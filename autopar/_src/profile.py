@@ -1,0 +1,110 @@
+"""What each forward layer costs, read off the traced step (no devices, no compile).
+
+From the differentiated, marked loss: FLOPs of each layer's forward and backward,
+bytes of the parameters it owns, bytes of the activations its forward keeps for
+its backward (per microbatch), and bytes crossing the boundary after it. From the
+whole step: how many bytes of state (optimizer moments, ...) come with each byte of
+parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from autopar._src import compat, cost, layers, partition
+from autopar._src.trace import TracedStep
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """Per-layer costs of one microbatch (arrays of length ``num_layers``)."""
+
+    forward_flops: np.ndarray
+    """FLOPs of heavy operations in each layer's forward."""
+    backward_flops: np.ndarray
+    """FLOPs of heavy operations in each layer's backward."""
+    param_bytes: np.ndarray
+    """Bytes of the parameters each layer reads first."""
+    stash_bytes: np.ndarray
+    """Bytes each layer's forward keeps for its backward."""
+    boundary_bytes: np.ndarray
+    """Bytes live across the cut after each layer (0 after the last)."""
+    num_ops: np.ndarray
+    """Equations in each layer's forward."""
+    state_per_param: float
+    """Bytes of other state (optimizer moments, ...) per byte of parameters."""
+    dtype: str
+    """Dtype name of most parameter bytes (selects the device's peak FLOP/s)."""
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers."""
+        return len(self.forward_flops)
+
+
+def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerProfile:
+    """Profiles the layers of a traced step's grad region.
+
+    Raises:
+      ValueError: if the step has no grad region.
+    """
+    at = step.region_index()
+    if at is None:
+        raise ValueError("The step has no autopar.value_and_grad; there are no layers to profile.")
+    info = step.jaxpr.eqns[at].params["info"]
+    rj = info.jaxpr
+    num_layers = len(info.cuts) + 1
+    where = partition.region_eqn_placement(rj, tuple(range(num_layers)))
+    fwd = np.zeros(num_layers)
+    bwd = np.zeros(num_layers)
+    ops = np.zeros(num_layers, dtype=np.int64)
+    boundary = np.zeros(num_layers)
+    made: dict[Any, int] = {}
+    stash_vars: dict[Any, int] = {}
+    first_reader: dict[Any, int] = {}
+    diff = set(rj.invars[len(rj.invars) - info.num_grads :])
+    for eqn, (layer, pass_) in zip(rj.eqns, where, strict=True):
+        f = cost.eqn_flops(eqn)
+        if pass_ == "F":
+            fwd[layer] += f
+            ops[layer] += 1
+            if layers.is_boundary(eqn) and eqn.params["index"] < num_layers - 1:
+                boundary[layer] += sum(cost.aval_bytes(v.aval) for v in eqn.outvars)
+            for v in eqn.outvars:
+                if not compat.is_dropvar(v):
+                    made[v] = layer
+        else:
+            bwd[layer] += f
+        for a in eqn.invars:
+            if compat.is_literal(a):
+                continue
+            if a in diff and pass_ == "F":
+                first_reader.setdefault(a, layer)
+            if pass_ == "B" and made.get(a) == layer:
+                stash_vars[a] = layer
+    params = np.zeros(num_layers)
+    dtype_bytes: dict[str, float] = {}
+    for v, layer in first_reader.items():
+        b = cost.aval_bytes(v.aval)
+        params[layer] += b
+        dtype_bytes[str(v.aval.dtype)] = dtype_bytes.get(str(v.aval.dtype), 0.0) + b
+    stash = np.zeros(num_layers)
+    for v, layer in stash_vars.items():
+        stash[layer] += cost.aval_bytes(v.aval)
+    batch = {step.arg_vars[i] for i in batch_leaf_ids}
+    state = sum(cost.aval_bytes(v.aval) for v in step.arg_vars if v not in batch)
+    total_params = float(params.sum())
+    ratio = max(state / total_params - 1.0, 0.0) if total_params else 0.0
+    return LayerProfile(
+        forward_flops=fwd,
+        backward_flops=bwd,
+        param_bytes=params,
+        stash_bytes=stash,
+        boundary_bytes=boundary,
+        num_ops=ops,
+        state_per_param=ratio,
+        dtype=max(dtype_bytes, key=dtype_bytes.get) if dtype_bytes else "float32",
+    )

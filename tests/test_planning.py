@@ -1,0 +1,126 @@
+"""num_stages="auto": clustering + stage DP on the real runtime; plans as data."""
+
+import dataclasses
+
+import numpy as np
+import optax
+import pytest
+from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
+
+import autopar
+from autopar._src import cluster, planning
+from models import train
+
+BATCH = 16
+
+
+def _cpu_cluster(mib: float) -> autopar.ClusterSpec:
+    base = cluster.preset("cpu", devices_per_host=8)
+    return dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(mib * 2**20)))
+
+
+@pytest.mark.parametrize("kind,num_mb", [("gpt", 2), ("mlp", "auto")])
+def test_auto_plan_equals_jit(kind, num_mb):
+    config = train.tiny_config(kind)
+    step, state = train.setup(kind, "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch(kind, config, BATCH, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches=num_mb
+    )
+    plan = par.plan(state, batches[0])
+    assert sorted(d for st in plan.stages for d in st.device_ids) == list(range(8))
+    assert plan.predicted_step_time > 0
+    assert all(0 < st.memory_bytes <= plan.memory_budget for st in plan.stages)
+
+
+def test_tight_memory_makes_a_pipeline_that_fits_and_equals_jit():
+    config = train.tiny_config("gpt", num_layers=4)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    spec = _cpu_cluster(3.0)
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches=4, cluster=spec
+    )
+    plan = par.plan(state, batches[0])
+    # One data-parallel stage would need ~4 MiB per device; the plan splits the layers.
+    assert plan.num_stages >= 2
+    assert all(st.memory_bytes <= spec.device.memory_bytes for st in plan.stages)
+    roomy = autopar.autoparallel(step, num_stages="auto", num_microbatches=4, cluster=_cpu_cluster(64))
+    assert roomy.plan(state, batches[0]).num_stages == 1
+
+
+def test_no_plan_fits_is_a_clear_error_before_any_work():
+    config = train.tiny_config("gpt", num_layers=4)
+    step, state = train.setup("gpt", "linen", config, optax.sgd(0.1))
+    batch = train.make_batch("gpt", config, BATCH)
+    par = autopar.autoparallel(step, num_stages="auto", num_microbatches=4, cluster=_cpu_cluster(0.3))
+    with pytest.raises(autopar.NoFeasiblePlanError, match=r"largest layer, layer \d+, does not fit anywhere") as e:
+        par(state, batch)
+    message = str(e.value)
+    assert "parameters/gradients/optimizer state" in message and "307.20 KiB" in message
+    assert isinstance(e.value, ValueError)
+
+
+def test_cluster_must_describe_the_devices():
+    config = train.tiny_config("mlp")
+    step, state = train.setup("mlp", "linen", config, optax.sgd(0.1))
+    spec = cluster.preset("cpu", devices_per_host=4)
+    par = autopar.autoparallel(step, num_stages="auto", cluster=spec)
+    with pytest.raises(ValueError, match="describes 4 devices but 8 devices were given"):
+        par(state, train.make_batch("mlp", config, BATCH))
+
+
+def test_auto_microbatches_needs_auto_stages():
+    config = train.tiny_config("mlp")
+    step, state = train.setup("mlp", "linen", config, optax.sgd(0.1))
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches="auto")
+    with pytest.raises(ValueError, match="num_microbatches='auto' needs num_stages='auto'"):
+        par(state, train.make_batch("mlp", config, BATCH))
+
+
+def test_plan_round_trips_and_is_reused(tmp_path):
+    config = train.tiny_config("gpt", num_layers=4)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    plan = autopar.autoparallel(step, num_stages=4, num_microbatches=2).plan(state, batches[0])
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    loaded = autopar.Plan.load(str(path))
+    assert loaded == plan
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], plan=loaded)
+    # Another model does not match the plan's layers.
+    other_step, other_state = train.setup("gpt", "linen", train.tiny_config("gpt", num_layers=2), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="(?i)the plan does not match this step"):
+        autopar.autoparallel(other_step, plan=loaded)(other_state, batches[0])
+    # Nor do devices it was not made for.
+    fewer = autopar.autoparallel(step, plan=loaded, devices=__import__("jax").devices()[:4])
+    with pytest.raises(ValueError, match=r"device ids \[4, 5, 6, 7\] that are not among"):
+        fewer(state, batches[0])
+
+
+@pytest.mark.parametrize(
+    "hosts,per_host,sizes",
+    [
+        (1, 8, [(1, 4), (1, 2), (1, 2)]),
+        (1, 8, [(1, 1), (1, 4), (1, 1), (1, 2)]),
+        (3, 8, [(1, 4), (2, 8), (1, 4)]),
+        (2, 4, [(1, 2), (1, 4), (1, 1), (1, 1)]),
+    ],
+)
+def test_assign_devices_tiles_hosts(hosts, per_host, sizes):
+    spec = cluster.preset("cpu", hosts, devices_per_host=per_host)
+    placed = planning.assign_devices(sizes, spec)
+    flat = [d for ids in placed for d in ids]
+    assert sorted(flat) == list(range(hosts * per_host))
+    for (h, w), ids in zip(sizes, placed, strict=True):
+        assert len(ids) == h * w
+        if h == 1:  # a slice of one host, aligned to its size
+            assert len({i // per_host for i in ids}) == 1 and ids[0] % w == 0
+        assert ids == list(range(ids[0], ids[0] + len(ids)))
+
+
+def test_assign_devices_rejects_sizes_that_do_not_tile():
+    spec = cluster.preset("cpu", devices_per_host=8)
+    with pytest.raises(ValueError, match="do not tile"):
+        planning.assign_devices([(1, 8), (1, 4)], spec)
+    assert np.sum([4, 4]) == 8
