@@ -1,6 +1,6 @@
 """autopar: automatic inter- and intra-operator parallelism for JAX train steps."""
 
-from autopar._src.api import AutoParallel, Options, autoparallel
+from autopar._src.api import AutoParallel, Options, autoparallel, plan_step
 from autopar._src.cluster import ClusterSpec, DeviceSpec, parse_cluster
 from autopar._src.cluster import preset as cluster_preset
 from autopar._src.plan import Plan, StagePlan
@@ -19,6 +19,7 @@ __all__ = [
     "cluster_preset",
     "grad",
     "parse_cluster",
+    "plan_step",
     "value_and_grad",
 ]
 __version__ = "0.1.0"

@@ -71,6 +71,32 @@ GPT_PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def _published(layers: int, hidden: int, heads: int) -> GPTConfig:
+    return GPTConfig(vocab_size=51200, num_layers=layers, num_heads=heads, hidden=hidden, max_len=1024)
+
+
+# Sizes of the GPT-3 paper's model table (layers, hidden, heads), with the sequence
+# length 1024 and vocabulary 51200 of Alpa's GPT benchmark, plus Alpa's own sizes.
+GPT_PRESETS.update({
+    "gpt3-125m": _published(12, 768, 12),
+    "gpt3-350m": _published(24, 1024, 16),
+    "gpt3-760m": _published(24, 1536, 16),
+    # The table lists 24 heads of size 128 with hidden 2048; here hidden = heads x head size.
+    "gpt3-1.3b": _published(24, 2048, 16),
+    "gpt3-2.7b": _published(32, 2560, 32),
+    "gpt3-6.7b": _published(32, 4096, 32),
+    "gpt3-13b": _published(40, 5120, 40),
+    "gpt3-175b": _published(96, 12288, 96),
+    "gpt-350m": _published(24, 1024, 16),
+    "gpt-1.3b": _published(24, 2048, 32),
+    "gpt-2.6b": _published(32, 2560, 32),
+    "gpt-6.7b": _published(32, 4096, 32),
+    "gpt-15b": _published(48, 5120, 40),
+    "gpt-39b": _published(48, 8192, 64),
+    "gpt-76b": _published(60, 10240, 80),
+})
+
+
 def _attention_weights(q: jax.Array, k: jax.Array) -> jax.Array:
     """Causal softmax weights ``[B, H, T, T]`` (float32) from ``[B, T, H, D]`` queries and keys."""
     seq_len, head_dim = q.shape[1], q.shape[-1]

@@ -160,9 +160,10 @@ class AutoParallel:
         if opts.plan is not None:
             step, plan = planning.reuse_plan(self.fn, args, plan=opts.plan, **common)
         elif opts.num_stages == "auto":
+            spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
             step, plan = planning.auto_plan(
                 self.fn, args, num_microbatches=None if nmb == "auto" else nmb, schedule=opts.schedule,
-                spec=opts.cluster, **common,
+                spec=spec, batch_ids=batch_ids, batch_size=batch_size, device_ids=[d.id for d in devices],
             )
         else:
             _check_num_stages(opts.num_stages, len(devices))
@@ -266,3 +267,40 @@ def _check_num_stages(num_stages: int, num_devices: int) -> None:
             f"{num_devices} devices cannot be split evenly among num_stages={num_stages}; choose a "
             f"num_stages that divides {num_devices}, or pass devices= with a multiple of {num_stages}."
         )
+
+
+def plan_step(
+    fn: Callable[..., Any],
+    *args: Any,
+    cluster: ClusterSpec,
+    num_microbatches: int | Literal["auto"] = "auto",
+    batch_argnums: int | Sequence[int] = (1,),
+    schedule: schedule.ScheduleName = "1f1b",
+    tensor_parallel: bool = True,
+) -> Plan:
+    """Plans ``fn(*args)`` for ``cluster`` without devices: a dry run.
+
+    ``args`` may be ``jax.ShapeDtypeStruct`` trees (e.g. from ``jax.eval_shape``), so
+    models far larger than this machine's memory can be planned; nothing is
+    allocated. Device ids in the plan are ``0 .. cluster.num_devices - 1``, host by
+    host. ``tensor_parallel`` lets stages use logical meshes with a model axis.
+
+    Example:
+      >>> abstract_state = jax.eval_shape(make_state)
+      >>> plan = autopar.plan_step(train_step, abstract_state, batch,
+      ...                          cluster=autopar.parse_cluster("2x8xH100"))
+
+    Raises:
+      ValueError: for invalid arguments.
+      NoFeasiblePlanError: if no plan fits the cluster's memory.
+    """
+    argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+    Options(num_microbatches=num_microbatches, batch_argnums=argnums, schedule=schedule)
+    nmb = 1 if num_microbatches == "auto" else num_microbatches
+    batch_ids, batch_size = _batch_leaves(args, argnums, nmb)
+    _, plan = planning.auto_plan(
+        fn, args, batch_ids=batch_ids, batch_size=batch_size, device_ids=list(range(cluster.num_devices)),
+        num_microbatches=None if num_microbatches == "auto" else num_microbatches, schedule=schedule,
+        spec=cluster, tensor_parallel=tensor_parallel,
+    )
+    return plan

@@ -162,8 +162,8 @@ def assign_devices(sizes: Sequence[tuple[int, int]], spec: cluster_mod.ClusterSp
 
 def auto_plan(
     fn: Callable[..., Any], args: tuple[Any, ...], *, batch_ids: Sequence[int], batch_size: int,
-    devices: Sequence[Any], num_microbatches: int | None, schedule: str,
-    spec: cluster_mod.ClusterSpec | None, tensor_parallel: bool = False,
+    device_ids: Sequence[int], num_microbatches: int | None, schedule: str,
+    spec: cluster_mod.ClusterSpec, tensor_parallel: bool = False,
 ) -> tuple[trace.TracedStep, Plan]:
     """Clusters layers automatically and runs the stage DP.
 
@@ -171,21 +171,25 @@ def auto_plan(
     ``tensor_parallel`` allows logical meshes with ``tp > 1`` (for planning only:
     the runtime shards stages over the batch).
 
+    ``device_ids`` are the ids of the cluster's devices, host by host.
+
     Raises:
-      ValueError: if the cluster spec does not describe ``devices``.
+      ValueError: if the cluster spec does not describe ``device_ids``.
       NoFeasiblePlanError: if no plan fits the devices' memory.
     """
-    spec = spec if spec is not None else cluster_for(devices)
-    if spec.num_devices != len(devices):
+    if spec.num_devices != len(device_ids):
         raise ValueError(
-            f"The cluster spec {spec.name!r} describes {spec.num_devices} devices but {len(devices)} "
+            f"The cluster spec {spec.name!r} describes {spec.num_devices} devices but {len(device_ids)} "
             "devices were given; pass a matching cluster= or devices=."
         )
     trace_rows = batch_size // (num_microbatches or 1) if batch_size else 0
     step = trace_at(fn, args, batch_ids, trace_rows, trace.TraceOptions(num_layers=None))
     if step.region_index() is None:
-        return uniform_plan(fn, args, batch_ids=batch_ids, batch_size=batch_size, devices=devices,
-                            num_stages=1, num_microbatches=num_microbatches or 1, schedule=schedule)
+        _require_region(step, num_microbatches or 1, 1)
+        stage = StagePlan(layers=(0, 1), device_ids=tuple(device_ids), mesh_shape=(len(device_ids),),
+                          axis_names=(DATA_AXIS,), forward_flops=0.0)
+        return step, Plan(num_microbatches=num_microbatches or 1, schedule=schedule,  # type: ignore[arg-type]
+                          cuts=(), layer_flops=(0.0,), stages=(stage,))
     prof = profile.layer_profile(step, tuple(batch_ids))
 
     def solve(b: int, scale: float) -> tuple[stages.StageSolution, planner.StageCosts]:
@@ -210,7 +214,7 @@ def auto_plan(
         dp, tp = costs.logical[c.submesh][c.logical]
         shape, axes = ((dp,), (DATA_AXIS,)) if tp == 1 else ((dp, tp), (DATA_AXIS, "model"))
         stage_plans.append(StagePlan(
-            layers=(c.start, c.stop), device_ids=tuple(devices[i].id for i in idx), mesh_shape=shape,
+            layers=(c.start, c.stop), device_ids=tuple(device_ids[i] for i in idx), mesh_shape=shape,
             axis_names=axes, forward_flops=float(sum(flops[c.start : c.stop])), latency=c.latency,
             memory_bytes=c.memory,
         ))

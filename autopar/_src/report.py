@@ -40,7 +40,8 @@ def plan_table(plan: Plan) -> str:
             ",".join(map(str, st.device_ids)),
             mesh,
             _flops(st.forward_flops),
-            *([f"{st.latency * 1e3:.2f} ms", _bytes(st.memory_bytes, plan.memory_budget)] if predicted else []),
+            *([f"{st.latency * 1e3:.2f} ms", _bytes(st.memory_bytes, plan.memory_budget)]
+              if predicted else []),
         )
     buf = io.StringIO()
     console = Console(file=buf, width=100, force_terminal=False, color_system=None)
