@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common  # noqa: E402
 
 
-def plan_gpt(model: str, hosts: int, per_host: int, device: str, batch_size: int, num_layers: int | None):
+def plan_gpt(model: str, hosts: int, per_host: int, device: str, batch_size: int, num_layers: int | None,
+             remat: bool = True):
     """Plans one GPT step; returns (plan, seconds)."""
     import jax
     import jax.numpy as jnp
@@ -31,7 +32,9 @@ def plan_gpt(model: str, hosts: int, per_host: int, device: str, batch_size: int
     import autopar
     from models import train
 
-    config = train.GPTConfig.preset(model, dtype=jnp.bfloat16)
+    # Rematerialised blocks, as large GPTs are trained: without them a 175B step's
+    # attention probabilities alone exceed any device's memory at this batch size.
+    config = train.GPTConfig.preset(model, dtype=jnp.bfloat16, remat=remat)
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
     gpt = train.GPT(config)
@@ -58,12 +61,13 @@ def main() -> None:
     parser.add_argument("--device", default="h100", help="cluster preset device (h100, a100, v100)")
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--sweep", action="store_true", help="24/48/96 layers x 8/16/32/64 devices")
+    parser.add_argument("--no-remat", action="store_true", help="plan blocks without rematerialisation")
     args = parser.parse_args()
     _common.use_cpu_devices(1)
 
     if not args.sweep:
         plan, seconds = plan_gpt(args.model, args.hosts, args.devices_per_host, args.device, args.batch_size,
-                                 None)
+                                 None, remat=not args.no_remat)
         print(plan)
         print(f"planner_seconds={seconds:.3f}")
         return
@@ -73,7 +77,8 @@ def main() -> None:
     for layers in (24, 48, 96):
         for devices in (8, 16, 32, 64):
             hosts, per_host = max(devices // 8, 1), min(devices, 8)
-            plan, seconds = plan_gpt(args.model, hosts, per_host, args.device, args.batch_size, layers)
+            plan, seconds = plan_gpt(args.model, hosts, per_host, args.device, args.batch_size, layers,
+                                     remat=not args.no_remat)
             total += seconds
             rows.append([layers, devices, f"{seconds:.2f}", plan.num_layers, plan.num_stages,
                          plan.num_microbatches, f"{plan.predicted_step_time:.3f}"])
@@ -85,6 +90,7 @@ def main() -> None:
         "planner_time", "Planner time: GPT-3-175B-shaped steps, traced abstractly",
         {"model": f"{args.model} with the number of layers varied", "cluster": f"{args.device} preset, 8 per host",
          "global batch": args.batch_size, "dtype": "bfloat16 compute, float32 parameters, adamw",
+         "blocks": "no rematerialisation" if args.no_remat else "rematerialised (nn.remat per block)",
          "timed": "tracing + layer clustering + stage DP (including the choice of microbatches)",
          "command": f"python benchmarks/planner_time.py --model {args.model} --sweep"},
         headers, rows,

@@ -33,21 +33,28 @@ def aval_bytes(aval: Any) -> int:
 
 def eqn_flops(eqn: Any) -> float:
     """FLOPs of the heavy operations in one equation (0 for light ones)."""
+    return float(sum(eqn_flops_by_dtype(eqn).values()))
+
+
+def eqn_flops_by_dtype(eqn: Any) -> dict[str, float]:
+    """FLOPs of the heavy operations in one equation, by the dtype they compute in."""
     name = eqn.primitive.name
     if name == "dot_general":
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         lhs_shape = eqn.invars[0].aval.shape
         k = _prod(lhs_shape[d] for d in lhs_contract)
-        return 2.0 * _prod(eqn.outvars[0].aval.shape) * k
+        return {str(eqn.invars[0].aval.dtype): 2.0 * _prod(eqn.outvars[0].aval.shape) * k}
     if name == "conv_general_dilated":
         rhs_shape = eqn.invars[1].aval.shape
         dn = eqn.params["dimension_numbers"]
         out_feature_dim = dn.rhs_spec[0]
         per_output = _prod(rhs_shape) // max(int(rhs_shape[out_feature_dim]), 1)
-        return 2.0 * _prod(eqn.outvars[0].aval.shape) * per_output
-    total = 0.0
+        return {str(eqn.invars[0].aval.dtype): 2.0 * _prod(eqn.outvars[0].aval.shape) * per_output}
+    total: dict[str, float] = {}
     repeat = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
     for sub in jcore.jaxprs_in_params(eqn.params):
         body, _ = compat.jaxpr_and_consts(sub)
-        total += sum(eqn_flops(e) for e in body.eqns)
-    return repeat * total
+        for e in body.eqns:
+            for dtype, f in eqn_flops_by_dtype(e).items():
+                total[dtype] = total.get(dtype, 0.0) + repeat * f
+    return total

@@ -37,7 +37,7 @@ class LayerProfile:
     state_per_param: float
     """Bytes of other state (optimizer moments, ...) per byte of parameters."""
     dtype: str
-    """Dtype name of most parameter bytes (selects the device's peak FLOP/s)."""
+    """Dtype most heavy FLOPs compute in (selects the device's peak FLOP/s)."""
 
     @property
     def num_layers(self) -> int:
@@ -66,8 +66,12 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     stash_vars: dict[Any, int] = {}
     first_reader: dict[Any, int] = {}
     diff = set(rj.invars[len(rj.invars) - info.num_grads :])
+    flops_by_dtype: dict[str, float] = {}
     for eqn, (layer, pass_) in zip(rj.eqns, where, strict=True):
-        f = cost.eqn_flops(eqn)
+        by_dtype = cost.eqn_flops_by_dtype(eqn)
+        for dtype, x in by_dtype.items():
+            flops_by_dtype[dtype] = flops_by_dtype.get(dtype, 0.0) + x
+        f = float(sum(by_dtype.values()))
         if pass_ == "F":
             fwd[layer] += f
             ops[layer] += 1
@@ -86,11 +90,8 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
             if pass_ == "B" and made.get(a) == layer:
                 stash_vars[a] = layer
     params = np.zeros(num_layers)
-    dtype_bytes: dict[str, float] = {}
     for v, layer in first_reader.items():
-        b = cost.aval_bytes(v.aval)
-        params[layer] += b
-        dtype_bytes[str(v.aval.dtype)] = dtype_bytes.get(str(v.aval.dtype), 0.0) + b
+        params[layer] += cost.aval_bytes(v.aval)
     stash = np.zeros(num_layers)
     for v, layer in stash_vars.items():
         stash[layer] += cost.aval_bytes(v.aval)
@@ -106,5 +107,5 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
         boundary_bytes=boundary,
         num_ops=ops,
         state_per_param=ratio,
-        dtype=max(dtype_bytes, key=dtype_bytes.get) if dtype_bytes else "float32",
+        dtype=max(flops_by_dtype, key=flops_by_dtype.get) if flops_by_dtype else "float32",
     )
