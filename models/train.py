@@ -17,36 +17,75 @@ from flax import nnx
 from flax.training import train_state
 
 import autopar
+from models.bert import Bert, BertConfig, mlm_loss
 from models.data import gpt_batch, mlp_batch
+from models.data_extra import bert_batch, image_batch, moe_batch
 from models.gpt import GPT, NNXGPT, GPTConfig
 from models.losses import next_token_loss, softmax_cross_entropy
 from models.mlp import MLP, NNXMLP, MLPConfig
+from models.moe import MoEConfig, MoETransformer
+from models.wide_resnet import WideResNet, WResNetConfig
 
-Kind = Literal["mlp", "gpt"]
+Kind = Literal["mlp", "gpt", "bert", "wresnet", "moe"]
+MOE_AUX_WEIGHT = 0.01
+"""Weight of the MoE load-balancing loss in the training loss."""
 
 
 def make_batch(kind: Kind, config: Any, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A deterministic synthetic batch for ``kind``."""
-    return mlp_batch(seed, batch_size, config) if kind == "mlp" else gpt_batch(seed, batch_size, config)
+    makers = {
+        "mlp": mlp_batch,
+        "gpt": gpt_batch,
+        "bert": bert_batch,
+        "wresnet": image_batch,
+        "moe": moe_batch,
+    }
+    return makers[kind](seed, batch_size, config)
+
+
+def _input(kind: Kind, batch: dict[str, Any]) -> Any:
+    return batch[{"mlp": "x", "wresnet": "images"}.get(kind, "tokens")]
 
 
 def _loss(kind: Kind, apply: Callable[[Any], Any], batch: dict[str, Any]) -> Any:
     if kind == "mlp":
         return softmax_cross_entropy(apply(batch["x"]), batch["y"])
+    if kind == "bert":
+        return mlm_loss(apply(batch["tokens"]), batch["labels"], batch["mask"])
+    if kind == "moe":
+        logits, aux = apply(batch["tokens"])
+        return next_token_loss(logits, batch["tokens"]) + MOE_AUX_WEIGHT * aux
     return next_token_loss(apply(batch["tokens"]), batch["tokens"])
 
 
+class BatchNormTrainState(train_state.TrainState):
+    """A ``TrainState`` that also carries BatchNorm statistics."""
+
+    batch_stats: Any = None
+
+
+def _linen_model(kind: Kind, config: Any) -> Any:
+    models = {"mlp": MLP, "gpt": GPT, "bert": Bert, "wresnet": WideResNet, "moe": MoETransformer}
+    return models[kind](config)
+
+
 def linen_state(kind: Kind, config: Any, tx: optax.GradientTransformation, seed: int = 0) -> Any:
-    """A ``flax.training.train_state.TrainState`` for the linen model."""
-    model = MLP(config) if kind == "mlp" else GPT(config)
-    batch = make_batch(kind, config, 2)
-    x = batch["x"] if kind == "mlp" else batch["tokens"]
+    """A ``TrainState`` for the linen model (with BatchNorm statistics for Wide-ResNet)."""
+    model = _linen_model(kind, config)
+    x = _input(kind, make_batch(kind, config, 2))
+    if kind == "wresnet":
+        variables = model.init(jax.random.key(seed), x, train=False)
+        return BatchNormTrainState.create(
+            apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"], tx=tx
+        )
     params = model.init(jax.random.key(seed), x)["params"]
     return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
 
 def linen_step(kind: Kind) -> Callable[[Any, dict[str, Any]], tuple[Any, Any]]:
     """``step(state, batch) -> (state, loss)`` for a linen ``TrainState``."""
+    if kind == "wresnet":
+        return _batchnorm_step
 
     def step(state: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
         def loss_fn(params: Any) -> Any:
@@ -58,8 +97,24 @@ def linen_step(kind: Kind) -> Callable[[Any, dict[str, Any]], tuple[Any, Any]]:
     return step
 
 
+def _batchnorm_step(state: Any, batch: dict[str, Any]) -> tuple[Any, Any]:
+    """Train step of a BatchNorm model: new statistics come back as aux of the loss."""
+
+    def loss_fn(params: Any) -> Any:
+        logits, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            batch["images"],
+            train=True,
+            mutable=["batch_stats"],
+        )
+        return softmax_cross_entropy(logits, batch["labels"]), updates["batch_stats"]
+
+    (loss, stats), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads).replace(batch_stats=stats), loss
+
+
 def nnx_state(kind: Kind, config: Any, tx: optax.GradientTransformation, seed: int = 0) -> tuple[Any, Any]:
-    """``(graphdef, state)`` of an NNX model and its ``nnx.Optimizer``."""
+    """``(graphdef, state)`` of an NNX model (MLP or GPT) and its ``nnx.Optimizer``."""
     rngs = nnx.Rngs(seed)
     model = NNXMLP(config, rngs=rngs) if kind == "mlp" else NNXGPT(config, rngs=rngs)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -92,8 +147,15 @@ def setup(
     return nnx_step(kind, graphdef), state
 
 
-def tiny_config(kind: Kind, **overrides: Any) -> MLPConfig | GPTConfig:
+def tiny_config(kind: Kind, **overrides: Any) -> Any:
     """The tiny config used in tests."""
     if kind == "mlp":
         return MLPConfig(**overrides)
-    return GPTConfig.preset("gpt-tiny", **overrides)
+    presets = {
+        "gpt": (GPTConfig, "gpt-tiny"),
+        "bert": (BertConfig, "bert-tiny"),
+        "wresnet": (WResNetConfig, "wresnet-tiny"),
+        "moe": (MoEConfig, "moe-tiny"),
+    }
+    cls, name = presets[kind]
+    return cls.preset(name, **overrides)
