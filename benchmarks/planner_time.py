@@ -49,7 +49,11 @@ def plan_gpt(model: str, hosts: int, per_host: int, device: str, batch_size: int
     step = train.linen_step("gpt")
     spec = autopar.cluster_preset(device, hosts, devices_per_host=per_host)
     t0 = time.perf_counter()
-    plan = autopar.plan_step(step, state, {"tokens": tokens}, cluster=spec, num_microbatches="auto")
+    try:
+        plan = autopar.plan_step(step, state, {"tokens": tokens}, cluster=spec, num_microbatches="auto")
+    except autopar.NoFeasiblePlanError as e:
+        e.seconds = time.perf_counter() - t0
+        raise
     return plan, time.perf_counter() - t0
 
 
@@ -64,6 +68,7 @@ def main() -> None:
     parser.add_argument("--no-remat", action="store_true", help="plan blocks without rematerialisation")
     args = parser.parse_args()
     _common.use_cpu_devices(1)
+    from autopar import NoFeasiblePlanError
 
     if not args.sweep:
         plan, seconds = plan_gpt(args.model, args.hosts, args.devices_per_host, args.device, args.batch_size,
@@ -77,11 +82,17 @@ def main() -> None:
     for layers in (24, 48, 96):
         for devices in (8, 16, 32, 64):
             hosts, per_host = max(devices // 8, 1), min(devices, 8)
-            plan, seconds = plan_gpt(args.model, hosts, per_host, args.device, args.batch_size, layers,
-                                     remat=not args.no_remat)
+            try:
+                plan, seconds = plan_gpt(args.model, hosts, per_host, args.device, args.batch_size, layers,
+                                         remat=not args.no_remat)
+            except NoFeasiblePlanError as e:
+                # The planner proves that nothing fits: report it (and how long that took).
+                seconds = e.seconds
+                rows.append([layers, devices, f"{seconds:.2f}", "-", "does not fit", "-", "-"])
+            else:
+                rows.append([layers, devices, f"{seconds:.2f}", plan.num_layers, plan.num_stages,
+                             plan.num_microbatches, f"{plan.predicted_step_time:.3f}"])
             total += seconds
-            rows.append([layers, devices, f"{seconds:.2f}", plan.num_layers, plan.num_stages,
-                         plan.num_microbatches, f"{plan.predicted_step_time:.3f}"])
             print(rows[-1], flush=True)
     headers = ["GPT layers", "devices", "planner s", "clustered layers", "stages", "microbatches",
                "predicted step s"]

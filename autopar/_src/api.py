@@ -162,8 +162,14 @@ class AutoParallel:
         elif opts.num_stages == "auto":
             spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
             step, plan = planning.auto_plan(
-                self.fn, args, num_microbatches=None if nmb == "auto" else nmb, schedule=opts.schedule,
-                spec=spec, batch_ids=batch_ids, batch_size=batch_size, device_ids=[d.id for d in devices],
+                self.fn,
+                args,
+                num_microbatches=None if nmb == "auto" else nmb,
+                schedule=opts.schedule,
+                spec=spec,
+                batch_ids=batch_ids,
+                batch_size=batch_size,
+                device_ids=[d.id for d in devices],
             )
         else:
             _check_num_stages(opts.num_stages, len(devices))
@@ -173,7 +179,11 @@ class AutoParallel:
                     f"with num_stages={opts.num_stages} give num_microbatches as an int."
                 )
             step, plan = planning.uniform_plan(
-                self.fn, args, num_stages=opts.num_stages, num_microbatches=nmb, schedule=opts.schedule,
+                self.fn,
+                args,
+                num_stages=opts.num_stages,
+                num_microbatches=nmb,
+                schedule=opts.schedule,
                 **common,
             )
         mb = batch_size // plan.num_microbatches if batch_size else 0
@@ -299,8 +309,15 @@ def plan_step(
     nmb = 1 if num_microbatches == "auto" else num_microbatches
     batch_ids, batch_size = _batch_leaves(args, argnums, nmb)
     _, plan = planning.auto_plan(
-        fn, args, batch_ids=batch_ids, batch_size=batch_size, device_ids=list(range(cluster.num_devices)),
-        num_microbatches=None if num_microbatches == "auto" else num_microbatches, schedule=schedule,
-        spec=cluster, tensor_parallel=tensor_parallel,
+        fn,
+        args,
+        batch_ids=batch_ids,
+        batch_size=batch_size,
+        device_ids=list(range(cluster.num_devices)),
+        num_microbatches=None if num_microbatches == "auto" else num_microbatches,
+        schedule=schedule,
+        spec=cluster,
+        tensor_parallel=tensor_parallel,
+        retrace=False,
     )
     return plan

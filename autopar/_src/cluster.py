@@ -31,7 +31,14 @@ class DeviceSpec:
     """Device memory size in bytes."""
 
     def __post_init__(self) -> None:
-        pairs = tuple(sorted((str(k), float(v)) for k, v in dict(self.peak_flops).items()))
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"DeviceSpec.name must be a non-empty string, got {self.name!r}")
+        try:
+            pairs = tuple(sorted((str(k), float(v)) for k, v in dict(self.peak_flops).items()))
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"DeviceSpec.peak_flops must be (dtype, flops) pairs, got {self.peak_flops!r}"
+            ) from e
         if len(pairs) != len(self.peak_flops):
             raise ValueError(f"DeviceSpec.peak_flops names a dtype twice: {self.peak_flops}")
         # Sorted pairs make equality and hashing independent of the order they were given in.
@@ -83,6 +90,8 @@ class ClusterSpec:
     """Seconds of fixed cost per message between hosts."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"ClusterSpec.name must be a non-empty string, got {self.name!r}")
         for field in ("num_hosts", "devices_per_host"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -93,8 +102,8 @@ class ClusterSpec:
         _check_positive("ClusterSpec.inter_host_bandwidth", self.inter_host_bandwidth)
         for field in ("intra_host_latency", "inter_host_latency"):
             value = getattr(self, field)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"ClusterSpec.{field} must be finite and >= 0, got {value!r}")
+            if not (_is_number(value) and value >= 0):
+                raise ValueError(f"ClusterSpec.{field} must be a finite number >= 0, got {value!r}")
         if self.inter_host_bandwidth > self.intra_host_bandwidth:
             raise ValueError(
                 f"ClusterSpec.inter_host_bandwidth={self.inter_host_bandwidth:g} exceeds "
@@ -154,9 +163,13 @@ class Link(NamedTuple):
     """Seconds of fixed cost per message."""
 
 
-def _check_positive(field: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{field} must be positive and finite, got {value!r}")
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_positive(field: str, value: object) -> None:
+    if not (_is_number(value) and value > 0):  # type: ignore[operator]
+        raise ValueError(f"{field} must be a positive finite number, got {value!r}")
 
 
 # Presets. Figures are dense (no structured sparsity) peaks from vendor datasheets; the

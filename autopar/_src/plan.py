@@ -73,6 +73,8 @@ class Plan:
     """Predicted seconds per step (0: not predicted)."""
     memory_budget: float = 0.0
     """Bytes of memory per device the plan was made for (0: unknown)."""
+    fingerprint: str = ""
+    """Identifies the step's loss (operations and parameter shapes) the plan was made for."""
     version: int = PLAN_VERSION
     """Format version of the plan."""
 

@@ -27,7 +27,10 @@ def _abstract(x: Any, rows: int | None) -> Any:
 
 
 def trace_at(
-    fn: Callable[..., Any], args: tuple[Any, ...], batch_ids: Sequence[int], rows: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    batch_ids: Sequence[int],
+    rows: int,
     options: trace.TraceOptions,
 ) -> trace.TracedStep:
     """Traces ``fn`` abstractly with the batch leaves cut to ``rows`` rows."""
@@ -37,12 +40,12 @@ def trace_at(
     return trace.trace_step(fn, jax.tree.unflatten(in_tree, abstract), options)
 
 
-def _region_layers(step: trace.TracedStep) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def _region_layers(step: trace.TracedStep) -> tuple[tuple[int, ...], tuple[float, ...], str]:
     at = step.region_index()
     if at is None:
-        return (), (0.0,)
+        return (), (0.0,), ""
     info = step.jaxpr.eqns[at].params["info"]
-    return info.cuts, info.layer_flops
+    return info.cuts, info.layer_flops, info.fingerprint
 
 
 def _require_region(step: trace.TracedStep, num_microbatches: int, num_stages: int) -> None:
@@ -55,14 +58,21 @@ def _require_region(step: trace.TracedStep, num_microbatches: int, num_stages: i
 
 
 def uniform_plan(
-    fn: Callable[..., Any], args: tuple[Any, ...], *, batch_ids: Sequence[int], batch_size: int,
-    devices: Sequence[Any], num_stages: int, num_microbatches: int, schedule: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    batch_ids: Sequence[int],
+    batch_size: int,
+    devices: Sequence[Any],
+    num_stages: int,
+    num_microbatches: int,
+    schedule: str,
 ) -> tuple[trace.TracedStep, Plan]:
     """``num_stages`` FLOP-balanced layers, one per stage, on equal data-parallel submeshes."""
     rows = batch_size // num_microbatches if batch_size else 0
     step = trace_at(fn, args, batch_ids, rows, trace.TraceOptions(num_layers=num_stages))
     _require_region(step, num_microbatches, num_stages)
-    cuts, flops = _region_layers(step)
+    cuts, flops, fingerprint = _region_layers(step)
     per = len(devices) // num_stages
     stage_plans = tuple(
         StagePlan(
@@ -74,14 +84,25 @@ def uniform_plan(
         )
         for i in range(num_stages)
     )
-    plan = Plan(num_microbatches=num_microbatches, schedule=schedule, cuts=cuts, layer_flops=flops,
-                stages=stage_plans)
+    plan = Plan(
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        cuts=cuts,
+        layer_flops=flops,
+        stages=stage_plans,
+        fingerprint=fingerprint,
+    )
     return step, plan
 
 
 def reuse_plan(
-    fn: Callable[..., Any], args: tuple[Any, ...], *, batch_ids: Sequence[int], batch_size: int,
-    devices: Sequence[Any], plan: Plan,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    batch_ids: Sequence[int],
+    batch_size: int,
+    devices: Sequence[Any],
+    plan: Plan,
 ) -> tuple[trace.TracedStep, Plan]:
     """Traces the step at the plan's cuts and checks that the plan fits it.
 
@@ -91,11 +112,12 @@ def reuse_plan(
     rows = batch_size // plan.num_microbatches if batch_size else 0
     step = trace_at(fn, args, batch_ids, rows, trace.TraceOptions(num_layers=plan.num_layers, cuts=plan.cuts))
     _require_region(step, plan.num_microbatches, plan.num_stages)
-    cuts, flops = _region_layers(step)
-    if tuple(cuts) != tuple(plan.cuts) or tuple(flops) != tuple(plan.layer_flops):
+    cuts, flops, fingerprint = _region_layers(step)
+    if tuple(cuts) != tuple(plan.cuts) or fingerprint != plan.fingerprint:
         raise ValueError(
-            f"The plan does not match this step: the plan's layers have forward FLOPs {plan.layer_flops}, "
-            f"the step cut at the plan's cuts gives {flops}. Plan again for this step (or batch size)."
+            f"The plan does not match this step: it was made for a loss with fingerprint "
+            f"{plan.fingerprint!r}, this step's loss has {fingerprint!r} (other operations or parameter "
+            "shapes). Plan again for this step."
         )
     ids = {d.id for d in devices}
     missing = sorted({d for st in plan.stages for d in st.device_ids} - ids)
@@ -142,16 +164,25 @@ def assign_devices(sizes: Sequence[tuple[int, int]], spec: cluster_mod.ClusterSp
     for s in order:
         hosts, width = sizes[s]
         if hosts > 1 or width == per_host:
-            start = next((h for h in range(spec.num_hosts - hosts + 1)
-                          if all(all(free[h + i]) for i in range(hosts))), None)
+            start = next(
+                (h for h in range(spec.num_hosts - hosts + 1) if all(all(free[h + i]) for i in range(hosts))),
+                None,
+            )
             if start is None:
                 raise ValueError(f"Submeshes {list(sizes)} do not tile cluster {spec.name!r}")
             for i in range(hosts):
                 free[start + i] = [False] * per_host
             placed[s] = [(start + i) * per_host + d for i in range(hosts) for d in range(per_host)]
             continue
-        spot = next(((h, o) for h in range(spec.num_hosts) for o in range(0, per_host, width)
-                     if all(free[h][o : o + width])), None)
+        spot = next(
+            (
+                (h, o)
+                for h in range(spec.num_hosts)
+                for o in range(0, per_host, width)
+                if all(free[h][o : o + width])
+            ),
+            None,
+        )
         if spot is None:
             raise ValueError(f"Submeshes {list(sizes)} do not tile cluster {spec.name!r}")
         h, o = spot
@@ -161,9 +192,17 @@ def assign_devices(sizes: Sequence[tuple[int, int]], spec: cluster_mod.ClusterSp
 
 
 def auto_plan(
-    fn: Callable[..., Any], args: tuple[Any, ...], *, batch_ids: Sequence[int], batch_size: int,
-    device_ids: Sequence[int], num_microbatches: int | None, schedule: str,
-    spec: cluster_mod.ClusterSpec, tensor_parallel: bool = False,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    *,
+    batch_ids: Sequence[int],
+    batch_size: int,
+    device_ids: Sequence[int],
+    num_microbatches: int | None,
+    schedule: str,
+    spec: cluster_mod.ClusterSpec,
+    tensor_parallel: bool = False,
+    retrace: bool = True,
 ) -> tuple[trace.TracedStep, Plan]:
     """Clusters layers automatically and runs the stage DP.
 
@@ -171,7 +210,10 @@ def auto_plan(
     ``tensor_parallel`` allows logical meshes with ``tp > 1`` (for planning only:
     the runtime shards stages over the batch).
 
-    ``device_ids`` are the ids of the cluster's devices, host by host.
+    ``device_ids`` are the ids of the cluster's devices, host by host. When the number
+    of microbatches is chosen, the step is traced at the whole batch and, with
+    ``retrace``, traced again at the chosen microbatch size (needed to run it; a dry
+    run scales the per-microbatch FLOPs instead).
 
     Raises:
       ValueError: if the cluster spec does not describe ``device_ids``.
@@ -186,39 +228,78 @@ def auto_plan(
     step = trace_at(fn, args, batch_ids, trace_rows, trace.TraceOptions(num_layers=None))
     if step.region_index() is None:
         _require_region(step, num_microbatches or 1, 1)
-        stage = StagePlan(layers=(0, 1), device_ids=tuple(device_ids), mesh_shape=(len(device_ids),),
-                          axis_names=(DATA_AXIS,), forward_flops=0.0)
-        return step, Plan(num_microbatches=num_microbatches or 1, schedule=schedule,  # type: ignore[arg-type]
-                          cuts=(), layer_flops=(0.0,), stages=(stage,))
+        stage = StagePlan(
+            layers=(0, 1),
+            device_ids=tuple(device_ids),
+            mesh_shape=(len(device_ids),),
+            axis_names=(DATA_AXIS,),
+            forward_flops=0.0,
+        )
+        return step, Plan(
+            num_microbatches=num_microbatches or 1,
+            schedule=schedule,  # type: ignore[arg-type]
+            cuts=(),
+            layer_flops=(0.0,),
+            stages=(stage,),
+        )
     prof = profile.layer_profile(step, tuple(batch_ids))
 
     def solve(b: int, scale: float) -> tuple[stages.StageSolution, planner.StageCosts]:
-        return planner.solve(prof, spec, num_microbatches=b, schedule=schedule,  # type: ignore[arg-type]
-                             batch_scale=scale, tensor_parallel=tensor_parallel)
+        return planner.solve(
+            prof,
+            spec,
+            num_microbatches=b,
+            schedule=schedule,  # type: ignore[arg-type]
+            batch_scale=scale,
+            tensor_parallel=tensor_parallel,
+        )
 
     if num_microbatches is None:
         candidates = planner.microbatch_candidates(batch_size) if batch_size else (1,)
         nmb, _ = stages.choose_num_microbatches(candidates, lambda b: solve(b, 1.0 / b)[0])
-        cuts, _ = _region_layers(step)
-        step = trace_at(fn, args, batch_ids, batch_size // nmb if batch_size else 0,
-                        trace.TraceOptions(num_layers=len(cuts) + 1, cuts=cuts))
-        prof = profile.layer_profile(step, tuple(batch_ids))
+        cuts, flops, fingerprint = _region_layers(step)
+        scale = 1.0 / nmb
+        if retrace:
+            step = trace_at(
+                fn,
+                args,
+                batch_ids,
+                batch_size // nmb if batch_size else 0,
+                trace.TraceOptions(num_layers=len(cuts) + 1, cuts=cuts),
+            )
+            prof = profile.layer_profile(step, tuple(batch_ids))
+            cuts, flops, fingerprint = _region_layers(step)
+            scale = 1.0
+        flops = tuple(f * scale for f in flops)
     else:
-        nmb = num_microbatches
-    solution, costs = solve(nmb, 1.0)
-    cuts, flops = _region_layers(step)
+        nmb, scale = num_microbatches, 1.0
+        cuts, flops, fingerprint = _region_layers(step)
+    solution, costs = solve(nmb, scale)
     sizes = [costs.submeshes[c.submesh] for c in solution.stages]
     placement = assign_devices(sizes, spec)
     stage_plans = []
     for c, idx in zip(solution.stages, placement, strict=True):
         dp, tp = costs.logical[c.submesh][c.logical]
         shape, axes = ((dp,), (DATA_AXIS,)) if tp == 1 else ((dp, tp), (DATA_AXIS, "model"))
-        stage_plans.append(StagePlan(
-            layers=(c.start, c.stop), device_ids=tuple(device_ids[i] for i in idx), mesh_shape=shape,
-            axis_names=axes, forward_flops=float(sum(flops[c.start : c.stop])), latency=c.latency,
-            memory_bytes=c.memory,
-        ))
-    plan = Plan(num_microbatches=nmb, schedule=schedule, cuts=cuts, layer_flops=flops,  # type: ignore[arg-type]
-                stages=tuple(stage_plans), predicted_step_time=solution.objective,
-                memory_budget=float(spec.device.memory_bytes))
+        stage_plans.append(
+            StagePlan(
+                layers=(c.start, c.stop),
+                device_ids=tuple(device_ids[i] for i in idx),
+                mesh_shape=shape,
+                axis_names=axes,
+                forward_flops=float(sum(flops[c.start : c.stop])),
+                latency=c.latency,
+                memory_bytes=c.memory,
+            )
+        )
+    plan = Plan(
+        num_microbatches=nmb,
+        schedule=schedule,
+        cuts=cuts,
+        layer_flops=flops,  # type: ignore[arg-type]
+        stages=tuple(stage_plans),
+        predicted_step_time=solution.objective,
+        memory_budget=float(spec.device.memory_bytes),
+        fingerprint=fingerprint,
+    )
     return step, plan

@@ -14,6 +14,7 @@ every stage's memory within the per-device budget.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -44,6 +45,12 @@ class StageChoice:
     memory: float
     """Peak bytes per device: parameters and optimizer state plus in-flight activations."""
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"StageChoice needs 0 <= start < stop, got start={self.start}, stop={self.stop}")
+        if self.submesh < 0 or self.logical < 0:
+            raise ValueError(f"StageChoice.submesh={self.submesh} and logical={self.logical} must be >= 0")
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageSolution:
@@ -55,6 +62,11 @@ class StageSolution:
     """Sum of stage latencies plus (num_microbatches - 1) times the largest one, in seconds."""
     max_stage_latency: float
     """Latency of the slowest stage, in seconds."""
+
+    def __post_init__(self) -> None:
+        bounds = [(st.start, st.stop) for st in self.stages]
+        if not bounds or bounds[0][0] != 0 or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"StageSolution.stages must be contiguous from layer 0, got layers {bounds}")
 
     @property
     def num_stages(self) -> int:
@@ -105,77 +117,69 @@ def _problem(
     num_devices: int,
     num_microbatches: int,
     schedule: StageSchedule,
-    layer_names: Sequence[str] | None,
-    submesh_shapes: Sequence[tuple[int, int]] | None,
-    logical_shapes: Sequence[Sequence[tuple[int, int]]] | None,
+    layer_names: Sequence[str] | None = None,
+    submesh_shapes: Sequence[tuple[int, int]] | None = None,
+    logical_shapes: Sequence[Sequence[tuple[int, int]]] | None = None,
 ) -> _Problem:
+    """Checks the arguments shared by the stage searches and the baselines."""
     lat = np.array(latency, dtype=np.float64)
     if lat.ndim != 4 or lat.shape[0] != lat.shape[1] or 0 in lat.shape:
         raise ValueError(f"latency must have shape (L, L, K, Q) with L, K, Q >= 1, got {lat.shape}")
     num_layers, _, num_submeshes, num_logical = lat.shape
-    mems = []
-    for name, arr in (("param_memory", param_memory), ("activation_memory", activation_memory)):
-        arr = np.asarray(arr, dtype=np.float64)
-        if arr.shape != lat.shape:
-            raise ValueError(f"{name} has shape {arr.shape}, expected latency's shape {lat.shape}")
-        mems.append(arr)
     if np.isnan(lat).any() or (lat < 0).any():
         raise ValueError("latency must hold no NaN and no negative values (np.inf marks unusable choices)")
     devices = np.asarray(submesh_devices)
-    if (
-        devices.shape != (num_submeshes,)
-        or not np.issubdtype(devices.dtype, np.integer)
-        or (devices < 1).any()
-    ):
+    if devices.shape != (num_submeshes,) or devices.dtype.kind not in "iu" or (devices < 1).any():
         raise ValueError(f"submesh_devices must be {num_submeshes} ints >= 1, got {submesh_devices!r}")
-    if not (isinstance(num_devices, int | np.integer) and num_devices >= 1):
-        raise ValueError(f"num_devices must be an int >= 1, got {num_devices!r}")
-    if not (isinstance(num_microbatches, int | np.integer) and num_microbatches >= 1):
-        raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    for name, value in (("num_devices", num_devices), ("num_microbatches", num_microbatches)):
+        if not (isinstance(value, int | np.integer) and value >= 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not (np.isfinite(memory_budget) and memory_budget > 0):
         raise ValueError(f"memory_budget must be positive and finite, got {memory_budget!r}")
     if schedule not in STAGE_SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {STAGE_SCHEDULES}")
     # Only j >= i is a stage, and a submesh larger than the cluster is never usable.
     upper = np.triu(np.ones((num_layers, num_layers), dtype=bool))[:, :, None, None]
-    lat = np.where(upper & (devices <= num_devices)[None, None, :, None], lat, np.inf)
+    lat = np.where(upper & (devices <= num_devices)[:, None], lat, np.inf)
     usable = np.isfinite(lat)
-    for name, arr in zip(("param_memory", "activation_memory"), mems, strict=True):
+    mems = []
+    for name, arr in (("param_memory", param_memory), ("activation_memory", activation_memory)):
+        arr = np.asarray(arr, dtype=np.float64)
+        if arr.shape != lat.shape:
+            raise ValueError(f"{name} has shape {arr.shape}, expected latency's shape {lat.shape}")
         if np.isnan(arr[usable]).any() or (arr[usable] < 0).any():
             raise ValueError(f"{name} must hold no NaN and no negative values where latency is finite")
-    param, act = (np.where(usable, arr, 0.0) for arr in mems)
-    names = tuple(layer_names) if layer_names is not None else tuple(f"layer {i}" for i in range(num_layers))
-    if len(names) != num_layers:
-        raise ValueError(f"layer_names has {len(names)} names, expected {num_layers}")
-    if submesh_shapes is not None and len(submesh_shapes) != num_submeshes:
-        raise ValueError(f"submesh_shapes has {len(submesh_shapes)} shapes, expected {num_submeshes}")
-    if logical_shapes is not None and len(logical_shapes) != num_submeshes:
-        raise ValueError(f"logical_shapes has {len(logical_shapes)} entries, expected {num_submeshes}")
-    sub_names = tuple(
-        str(tuple(submesh_shapes[k])) if submesh_shapes is not None else f"#{k} ({devices[k]} devices)"
-        for k in range(num_submeshes)
-    )
-    log_names = tuple(
-        tuple(
-            str(tuple(logical_shapes[k][q]))
-            if logical_shapes is not None and q < len(logical_shapes[k])
-            else f"#{q}"
-            for q in range(num_logical)
-        )
-        for k in range(num_submeshes)
-    )
+        mems.append(np.where(usable, arr, 0.0))
+    for name, given, size in (
+        ("layer_names", layer_names, num_layers),
+        ("submesh_shapes", submesh_shapes, num_submeshes),
+        ("logical_shapes", logical_shapes, num_submeshes),
+    ):
+        if given is not None and len(given) != size:
+            raise ValueError(f"{name} has {len(given)} entries, expected {size}")
     return _Problem(
         latency=lat,
-        param_memory=param,
-        activation_memory=act,
+        param_memory=mems[0],
+        activation_memory=mems[1],
         devices=devices.astype(np.int64),
         memory_budget=float(memory_budget),
         num_devices=int(num_devices),
         num_microbatches=int(num_microbatches),
         schedule=schedule,
-        layer_names=names,
-        submesh_names=sub_names,
-        logical_names=log_names,
+        layer_names=tuple(layer_names or (f"layer {i}" for i in range(num_layers))),
+        submesh_names=tuple(
+            str(tuple(submesh_shapes[k]))
+            if submesh_shapes
+            else f"#{k} ({devices[k]} device{'s' if devices[k] > 1 else ''})"
+            for k in range(num_submeshes)
+        ),
+        logical_names=tuple(
+            tuple(
+                str(tuple(logical_shapes[k][q])) if logical_shapes and q < len(logical_shapes[k]) else f"#{q}"
+                for q in range(num_logical)
+            )
+            for k in range(num_submeshes)
+        ),
     )
 
 
@@ -233,6 +237,15 @@ def _no_plan_error(prob: _Problem) -> NoFeasiblePlanError:
             f"No pipeline plan: {prob.layer_names[layer]} has no usable stage (every latency is inf or "
             f"needs more than the {prob.num_devices} devices available)."
         )
+    sums = {0}
+    for _ in range(len(layers)):  # device totals of up to L stages
+        sums |= {t + int(n) for t in sums for n in prob.devices if t + n <= prob.num_devices}
+    if prob.num_devices not in sums:
+        return NoFeasiblePlanError(
+            f"No pipeline plan: stages of {sorted(set(prob.devices.tolist()))} devices cannot add up to "
+            f"exactly {prob.num_devices} devices with at most {len(layers)} stages; pass submesh shapes "
+            "whose device counts can."
+        )
     layer = int(np.argmax(best))
     k, q = np.unravel_index(int(np.argmin(mem[layer])), mem[layer].shape)
     params, acts = prob.param_memory[layer, layer, k, q], prob.activation_memory[layer, layer, k, q]
@@ -244,37 +257,90 @@ def _no_plan_error(prob: _Problem) -> NoFeasiblePlanError:
     )
     if best[layer] > prob.memory_budget:
         return NoFeasiblePlanError(
-            f"No pipeline plan fits in {budget} per device: the largest layer, {prob.layer_names[layer]}, does "
-            f"not fit anywhere: {breakdown}. Use more devices per stage, fewer microbatches in flight, "
-            "rematerialisation or a larger memory budget."
+            f"No pipeline plan fits in {budget} per device: the largest layer, {prob.layer_names[layer]}, "
+            f"does not fit anywhere: {breakdown}. Use more devices per stage, fewer microbatches in "
+            "flight, rematerialisation or a larger memory budget."
         )
     return NoFeasiblePlanError(
-        f"No pipeline plan fits in {budget} per device: every layer fits alone, but no split into stages on "
-        f"exactly {prob.num_devices} devices does ({prob.schedule} keeps up to {prob.num_microbatches} "
+        f"No pipeline plan fits in {budget} per device: every layer fits alone, but no split into stages "
+        f"on exactly {prob.num_devices} devices does ({prob.schedule} keeps up to {prob.num_microbatches} "
         f"microbatches of activations in flight on early stages). The largest layer is "
-        f"{prob.layer_names[layer]}: {breakdown}. Use fewer microbatches, more memory, or another device count."
+        f"{prob.layer_names[layer]}: {breakdown}. Use fewer microbatches, more memory, or another device "
+        "count."
     )
 
 
-def _state_flights(prob: _Problem) -> tuple[np.ndarray, np.ndarray]:
-    """In-flight counts of the DP's stage-count states, and the usable-and-fitting mask of each.
+def _capacity(prob: _Problem) -> tuple[np.ndarray, int]:
+    """How many of the DP's stage-count states each choice fits in, and the number of states.
 
-    State ``c`` is "the suffix from here has ``c`` stages"; its first stage keeps
-    ``min(c, B)`` microbatches in flight (one for GPipe's single state, which keeps ``B``).
-    The last state also stands for every larger count: it is the first whose mask equals
-    the mask of the largest possible count, so memory cannot tell those counts apart.
+    State ``c`` means "this stage and the ones after it are ``c`` stages"; under 1F1B its
+    first stage keeps ``min(c, B)`` microbatches in flight, so a choice that fits in state
+    ``c`` fits in every smaller one. GPipe has a single state (``B`` in flight).
     """
     if prob.schedule == "gpipe":
-        return np.array([prob.num_microbatches]), prob.fits(prob.num_microbatches)[None]
-    max_stages = min(prob.latency.shape[0], prob.num_devices)
-    last = prob.fits(min(max_stages, prob.num_microbatches))
-    masks = []
-    for c in range(1, max_stages + 1):
-        masks.append(prob.fits(min(c, prob.num_microbatches)))
-        if np.array_equal(masks[-1], last):
-            break
-    flights = np.minimum(np.arange(1, len(masks) + 1), prob.num_microbatches)
-    return flights, np.stack(masks)
+        return prob.fits(prob.num_microbatches).astype(np.int64), 1
+    max_states = min(prob.latency.shape[0], prob.num_devices)
+    top = min(max_states, prob.num_microbatches)
+    usable = np.isfinite(prob.latency)
+    param, act, budget = prob.param_memory, prob.activation_memory, prob.memory_budget
+
+    def fits(flights: np.ndarray) -> np.ndarray:
+        with np.errstate(invalid="ignore"):  # 0 * inf activations where nothing is in flight
+            return usable & (flights >= 1) & (param + flights * act <= budget)
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        guess = np.where(act > 0, np.floor((budget - param) / act), np.where(param <= budget, top, 0))
+    flights = np.clip(np.nan_to_num(guess, posinf=top, neginf=0), 0, top).astype(np.int64)
+    flights[~usable] = 0
+    # The division can be off by one against the exact test the plan is checked with: settle it.
+    while (down := (flights >= 1) & ~fits(flights)).any():
+        flights -= down
+    while (up := (flights < top) & fits(flights + 1)).any():
+        flights += up
+    # A stage is followed by at most one stage per remaining layer and per smallest submesh; a
+    # choice that fits every count it can reach is as good as one that fits all.
+    num_layers = prob.latency.shape[0]
+    after = np.minimum(
+        num_layers - 1 - np.arange(num_layers)[None, :, None],
+        (prob.num_devices - prob.devices[None, None, :]) // prob.devices.min(),
+    )
+    lifted = (flights >= top) | ((flights >= 1) & (flights > after[..., None]))
+    return np.where(lifted, max_states, flights), max_states
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bounded:
+    """The stage choices whose latency is within one bound t_max, as the DP's states see them."""
+
+    latency: np.ndarray
+    """``[i, j, k, q]`` latency, inf outside the bound or the memory budget."""
+    level: np.ndarray
+    """``[i, j, k, q]`` the last state the choice fits, at most ``num_states``."""
+    num_states: int
+    """States of the DP; the last one stands for itself and every larger stage count."""
+
+    def row(self, i: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """``cost[c - 1, j - lo, k]``: fastest fitting latency of layers i..j on submesh k in state c."""
+        states = np.arange(1, self.num_states + 1)[:, None, None, None]
+        lat, level = self.latency[i, lo:hi], self.level[i, lo:hi]
+        return np.where(level >= states, lat, np.inf).min(axis=-1)
+
+
+def _bounded(prob: _Problem, capacity: np.ndarray, max_states: int, t_max: float) -> _Bounded:
+    """Restricts the choices to ``t_max`` and merges the states memory cannot tell apart.
+
+    The last state is one past the largest capacity short of all states among the choices
+    within ``t_max``: from there on every count admits the same choices. Small bounds
+    therefore need few states.
+    """
+    relevant = (capacity >= 1) & (prob.latency <= t_max)
+    partial = capacity[relevant & (capacity < max_states)]
+    num_states = min(max_states, 1 + int(partial.max())) if partial.size else 1
+    return _Bounded(
+        latency=np.where(relevant, prob.latency, np.inf),
+        level=np.minimum(capacity, num_states),
+        num_states=num_states,
+    )
 
 
 def _rest(table: np.ndarray) -> np.ndarray:
@@ -284,36 +350,32 @@ def _rest(table: np.ndarray) -> np.ndarray:
     return rest
 
 
-def _dp(cost: np.ndarray, devices: np.ndarray, num_devices: int) -> np.ndarray:
-    """Minimum latency sums ``table[c, i, d]``: layers i.. on exactly d devices, suffix state c.
-
-    ``cost[c - 1, i, j, k]`` is the best stage latency for layers i..j on submesh k in state c.
-    """
-    num_states, num_layers = cost.shape[0], cost.shape[1]
+def _dp(bounded: _Bounded, devices: np.ndarray, num_devices: int) -> np.ndarray:
+    """Minimum latency sums ``table[c, i, d]``: layers i.. on exactly d devices, suffix state c."""
+    num_states, num_layers = bounded.num_states, bounded.latency.shape[0]
     table = np.full((num_states + 1, num_layers + 1, num_devices + 1), np.inf)
     table[0, num_layers, 0] = 0.0
     shift = np.arange(num_devices + 1)[None, :] - devices[:, None]  # (K, D + 1): devices left after
     valid, shift = shift >= 0, np.maximum(shift, 0)
     # after[c - 1, s, k, d]: best continuation from layer s with d devices minus submesh k's.
-    after = np.full((num_states, num_layers + 1, len(devices), num_devices + 1), np.inf)
+    after = np.empty((num_states, num_layers + 1, len(devices), num_devices + 1))  # rows set before use
     after[:, num_layers] = np.where(valid, _rest(table[:, num_layers])[:, shift], np.inf)
-    finite = np.isfinite(cost).any(axis=(0, 3))  # (L, L): some stage i..j exists
+    finite = np.isfinite(bounded.latency).any(axis=(2, 3))  # (L, L): some stage i..j exists
     for i in range(num_layers - 1, -1, -1):
         js = np.flatnonzero(finite[i])
         if len(js):
             lo, hi = js[0], js[-1] + 1
-            total = cost[:, i, lo:hi, :, None] + after[:, lo + 1 : hi + 1]
-            table[1:, i] = total.reshape(num_states, -1, num_devices + 1).min(axis=1)
+            states = min(num_states, num_layers - i)  # c stages need c layers
+            total = bounded.row(i, lo, hi)[:states, ..., None] + after[:states, lo + 1 : hi + 1]
+            table[1 : states + 1, i] = total.reshape(states, -1, num_devices + 1).min(axis=1)
         after[:, i] = np.where(valid, _rest(table[:, i])[:, shift], np.inf)
     return table
 
 
-def _backtrack(
-    prob: _Problem, masks: np.ndarray, cost: np.ndarray, table: np.ndarray, t_max: float
-) -> list[tuple[int, int, int, int]]:
+def _backtrack(prob: _Problem, bounded: _Bounded, table: np.ndarray) -> list[tuple[int, int, int, int]]:
     """Reads the plan off the table, taking at each stage the first optimal choice in the order
     longer stage, smaller submesh index, smaller logical index, fewer remaining stages."""
-    num_states, num_layers = cost.shape[0], cost.shape[1]
+    num_states, num_layers = bounded.num_states, bounded.latency.shape[0]
     rest = _rest(table)
     allowed = np.arange(1, num_states + 1)
     i, d = 0, prob.num_devices
@@ -321,17 +383,14 @@ def _backtrack(
     while i < num_layers:
         left = d - prob.devices
         after = np.where(left >= 0, rest[:, i + 1 :, np.maximum(left, 0)], np.inf)  # (C, L - i, K)
-        total = cost[:, i, i:] + after
+        total = bounded.row(i, i) + after
         blocked = np.ones(num_states, dtype=bool)
         blocked[allowed - 1] = False
         total[blocked] = np.inf
         order = total[:, ::-1].transpose(1, 2, 0)  # (j descending, k, c)
-        flat = int(np.argmin(order))
-        j_rev, k, c_idx = np.unravel_index(flat, order.shape)
+        j_rev, k, c_idx = np.unravel_index(int(np.argmin(order)), order.shape)
         j, c = num_layers - 1 - int(j_rev), int(c_idx) + 1
-        lat = np.where(
-            masks[c - 1, i, j, k] & (prob.latency[i, j, k] <= t_max), prob.latency[i, j, k], np.inf
-        )
+        lat = np.where(bounded.level[i, j, k] >= c, bounded.latency[i, j, k], np.inf)
         choices.append((i, j + 1, int(k), int(np.argmin(lat))))
         allowed = np.array([c - 1]) if c < num_states else np.array([c - 1, c])
         allowed = allowed[allowed >= 1]
@@ -339,15 +398,16 @@ def _backtrack(
     return choices
 
 
-def _solve_at(prob: _Problem, masks: np.ndarray, t_max: float) -> tuple[float, StageSolution] | None:
+def _solve_at(
+    prob: _Problem, capacity: np.ndarray, max_states: int, t_max: float
+) -> tuple[float, StageSolution] | None:
     """The best plan whose stages all take at most ``t_max``: (latency sum, solution), or None."""
-    lat = np.where(masks & (prob.latency <= t_max), prob.latency, np.inf)
-    cost = lat.min(axis=-1)
-    table = _dp(cost, prob.devices, prob.num_devices)
+    bounded = _bounded(prob, capacity, max_states, t_max)
+    table = _dp(bounded, prob.devices, prob.num_devices)
     total = float(table[1:, 0, prob.num_devices].min())
     if not np.isfinite(total):
         return None
-    sol = _solution(prob, _backtrack(prob, masks, cost, table, t_max))
+    sol = _solution(prob, _backtrack(prob, bounded, table))
     assert sol is not None, "the dynamic program produced an infeasible plan"
     return total, sol
 
@@ -399,62 +459,72 @@ def solve_stages(
       ValueError: on malformed inputs.
     """
     prob = _problem(
-        latency,
-        param_memory,
-        activation_memory,
-        submesh_devices=submesh_devices,
-        memory_budget=memory_budget,
-        num_devices=num_devices,
-        num_microbatches=num_microbatches,
-        schedule=schedule,
-        layer_names=layer_names,
-        submesh_shapes=submesh_shapes,
+        latency, param_memory, activation_memory, submesh_devices=submesh_devices,
+        memory_budget=memory_budget, num_devices=num_devices, num_microbatches=num_microbatches,
+        schedule=schedule, layer_names=layer_names, submesh_shapes=submesh_shapes,
         logical_shapes=logical_shapes,
-    )
-    _, masks = _state_flights(prob)
-    unbounded = _solve_at(prob, masks, np.inf)
+    )  # fmt: skip
+    capacity, max_states = _capacity(prob)
+    unbounded = _solve_at(prob, capacity, max_states, np.inf)
     if unbounded is None:
         raise _no_plan_error(prob)
-    min_sum, best = unbounded
-    best_t = np.inf
+    if prob.num_microbatches == 1:
+        return unbounded[1]  # no max term: the unbounded sum is the objective
+    return _search_t_max(prob, capacity, max_states, *unbounded)
+
+
+def _search_t_max(
+    prob: _Problem, capacity: np.ndarray, max_states: int, min_sum: float, plan: StageSolution
+) -> StageSolution:
+    """Finds the best bound t_max among the candidate latencies, by branch and bound.
+
+    ``S(t)``, the least latency sum with stages of at most ``t``, falls as ``t`` grows, so
+    over a range of unexplored candidates ``(a, b)`` the objective is at least
+    ``S(b) + (B - 1) * t[a + 1]``; ranges that cannot beat the best are skipped. A solution
+    for ``t`` whose slowest stage takes ``m`` also settles every bound in ``[m, t]``. This
+    visits the candidates Alpa scans in increasing order, with the same result, but
+    solves far fewer of them.
+    """
     scale = prob.num_microbatches - 1
-    if scale == 0:
-        return best
+    usable = np.where(capacity >= 1, prob.latency, np.inf)
     # Every layer sits in some stage, so t_max is at least the largest of the layers' cheapest covers.
-    usable = np.where(masks[0], prob.latency, np.inf)  # the first state has the loosest memory rule
     cheapest = usable.min(axis=(2, 3))
     floor = max(cheapest[: layer + 1, layer:].min() for layer in range(cheapest.shape[0]))
-    candidates = np.unique(usable[(usable >= floor) & (usable <= best.max_stage_latency)])
-    # Feasibility grows with t_max: gallop, then bisect, to the first feasible bound.
+    candidates = np.unique(usable[np.isfinite(usable) & (usable >= floor)])
     cache: dict[int, tuple[float, StageSolution] | None] = {}
 
-    def at(idx: int) -> tuple[float, StageSolution] | None:
+    def solve(idx: int) -> tuple[float, StageSolution] | None:
         if idx not in cache:
-            cache[idx] = _solve_at(prob, masks, float(candidates[idx]))
+            cache[idx] = _solve_at(prob, capacity, max_states, float(candidates[idx]))
         return cache[idx]
 
-    lo, step = 0, 1
-    while lo < len(candidates) - 1 and at(lo) is None:
-        hi = min(lo + step, len(candidates) - 1)
-        if at(hi) is None:
-            lo, step = hi + 1, step * 2
+    def index(t_max: float) -> int:
+        idx = int(np.searchsorted(candidates, t_max))
+        assert candidates[idx] == t_max
+        return idx
+
+    top = index(plan.max_stage_latency)
+    # (objective, candidate index): the smaller t_max wins exact ties.
+    best = (min_sum + scale * candidates[top], top)
+    # Ranges (bound, a, S(a), b, S(b)) of unexplored candidates a + 1 .. b - 1; a = -1 is "below all".
+    ranges = [(min_sum + scale * candidates[0], -1, np.inf, top, min_sum)]
+    while ranges:
+        bound, lo, lo_sum, hi, hi_sum = heapq.heappop(ranges)
+        if hi - lo < 2 or lo_sum == hi_sum or (bound, lo + 1) >= best:
             continue
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (mid + 1, hi) if at(mid) is None else (lo, mid)
-    for idx in range(lo, len(candidates)):
-        t_max = float(candidates[idx])
-        if min_sum + scale * t_max > best.objective:
-            break
-        found = at(idx)
-        if found is None:
+        mid = (lo + hi) // 2
+        found = solve(mid)
+        if found is None:  # so is every smaller bound
+            heapq.heappush(ranges, (hi_sum + scale * candidates[mid + 1], mid, np.inf, hi, hi_sum))
             continue
         total, sol = found
-        if sol.objective < best.objective or (sol.objective == best.objective and t_max < best_t):
-            best, best_t = sol, t_max
-        if total == min_sum:
-            break  # larger bounds cannot lower the sum, only the max term
-    return best
+        slowest = index(sol.max_stage_latency)
+        best = min(best, (total + scale * candidates[slowest], slowest))
+        heapq.heappush(ranges, (total + scale * candidates[lo + 1], lo, lo_sum, slowest, total))
+        heapq.heappush(ranges, (hi_sum + scale * candidates[mid + 1], mid, total, hi, hi_sum))
+    found = solve(best[1])
+    assert found is not None and found[1].objective == best[0]
+    return found[1]
 
 
 def choose_num_microbatches(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -61,6 +62,8 @@ class RegionInfo:
     """Forward FLOPs of each layer, per call of the loss."""
     num_forward_eqns: int
     """Equations in the flattened forward loss jaxpr."""
+    fingerprint: str
+    """Hash of the forward's primitives and the differentiated inputs' shapes (not the batch size)."""
 
 
 grad_region_p = compat.Primitive("autopar_grad_region")
@@ -143,6 +146,7 @@ def _region_value_and_grad(
         cuts=tuple(cuts),
         layer_flops=tuple(layer_flops),
         num_forward_eqns=len(flat_jaxpr.eqns),
+        fingerprint=_fingerprint(flat_jaxpr, diff_leaves),
     )
     outs = grad_region_p.bind(*grad_consts, *inputs, *diff_leaves, info=info)
     value = outs[0]
@@ -150,6 +154,17 @@ def _region_value_and_grad(
     grads = jax.tree.unflatten(diff_tree, outs[1 + info.num_aux :])
     grads = grads[0] if isinstance(argnums, int) else grads
     return ((value, aux), grads) if has_aux else (value, grads)
+
+
+def _fingerprint(forward: Any, diff_leaves: Sequence[Any]) -> str:
+    """Identifies a loss by its operations and parameter shapes, whatever the batch size."""
+    digest = hashlib.sha256()
+    for eqn in forward.eqns:
+        digest.update(eqn.primitive.name.encode())
+    for x in diff_leaves:
+        aval = compat.aval_of(x)
+        digest.update(f"{tuple(aval.shape)}{aval.dtype}".encode())
+    return digest.hexdigest()[:16]
 
 
 def value_and_grad(
