@@ -21,8 +21,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common  # noqa: E402
 
 
-def plan_gpt(model: str, hosts: int, per_host: int, device: str, batch_size: int, num_layers: int | None,
-             remat: bool = True):
+def plan_gpt(
+    model: str,
+    hosts: int,
+    per_host: int,
+    device: str,
+    batch_size: int,
+    num_layers: int | None,
+    remat: bool = True,
+):
     """Plans one GPT step; returns (plan, seconds)."""
     import jax
     import jax.numpy as jnp
@@ -58,7 +65,9 @@ def plan_gpt(model: str, hosts: int, per_host: int, device: str, batch_size: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="gpt3-175b")
     parser.add_argument("--hosts", type=int, default=8)
     parser.add_argument("--devices-per-host", type=int, default=8)
@@ -71,8 +80,15 @@ def main() -> None:
     from autopar import NoFeasiblePlanError
 
     if not args.sweep:
-        plan, seconds = plan_gpt(args.model, args.hosts, args.devices_per_host, args.device, args.batch_size,
-                                 None, remat=not args.no_remat)
+        plan, seconds = plan_gpt(
+            args.model,
+            args.hosts,
+            args.devices_per_host,
+            args.device,
+            args.batch_size,
+            None,
+            remat=not args.no_remat,
+        )
         print(plan)
         print(f"planner_seconds={seconds:.3f}")
         return
@@ -83,28 +99,51 @@ def main() -> None:
         for devices in (8, 16, 32, 64):
             hosts, per_host = max(devices // 8, 1), min(devices, 8)
             try:
-                plan, seconds = plan_gpt(args.model, hosts, per_host, args.device, args.batch_size, layers,
-                                         remat=not args.no_remat)
+                plan, seconds = plan_gpt(
+                    args.model, hosts, per_host, args.device, args.batch_size, layers, remat=not args.no_remat
+                )
             except NoFeasiblePlanError as e:
                 # The planner proves that nothing fits: report it (and how long that took).
                 seconds = e.seconds
                 rows.append([layers, devices, f"{seconds:.2f}", "-", "does not fit", "-", "-"])
             else:
-                rows.append([layers, devices, f"{seconds:.2f}", plan.num_layers, plan.num_stages,
-                             plan.num_microbatches, f"{plan.predicted_step_time:.3f}"])
+                rows.append(
+                    [
+                        layers,
+                        devices,
+                        f"{seconds:.2f}",
+                        plan.num_layers,
+                        plan.num_stages,
+                        plan.num_microbatches,
+                        f"{plan.predicted_step_time:.3f}",
+                    ]
+                )
             total += seconds
             print(rows[-1], flush=True)
-    headers = ["GPT layers", "devices", "planner s", "clustered layers", "stages", "microbatches",
-               "predicted step s"]
+    headers = [
+        "GPT layers",
+        "devices",
+        "planner s",
+        "clustered layers",
+        "stages",
+        "microbatches",
+        "predicted step s",
+    ]
     _common.print_table("planner time", headers, rows)
     path = _common.write_markdown(
-        "planner_time", "Planner time: GPT-3-175B-shaped steps, traced abstractly",
-        {"model": f"{args.model} with the number of layers varied", "cluster": f"{args.device} preset, 8 per host",
-         "global batch": args.batch_size, "dtype": "bfloat16 compute, float32 parameters, adamw",
-         "blocks": "no rematerialisation" if args.no_remat else "rematerialised (nn.remat per block)",
-         "timed": "tracing + layer clustering + stage DP (including the choice of microbatches)",
-         "command": f"python benchmarks/planner_time.py --model {args.model} --sweep"},
-        headers, rows,
+        "planner_time",
+        "Planner time: GPT-3-175B-shaped steps, traced abstractly",
+        {
+            "model": f"{args.model} with the number of layers varied",
+            "cluster": f"{args.device} preset, 8 per host",
+            "global batch": args.batch_size,
+            "dtype": "bfloat16 compute, float32 parameters, adamw",
+            "blocks": "no rematerialisation" if args.no_remat else "rematerialised (nn.remat per block)",
+            "timed": "tracing + layer clustering + stage DP (including the choice of microbatches)",
+            "command": f"python benchmarks/planner_time.py --model {args.model} --sweep",
+        },
+        headers,
+        rows,
     )
     print(f"results: {path}")
     print(f"planner_seconds={total:.3f}")

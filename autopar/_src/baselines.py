@@ -10,7 +10,7 @@ the recipe does not fit.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -51,24 +51,7 @@ def brute_force(
         logical_shapes=logical_shapes,
     )  # fmt: skip
     num_layers, _, num_submeshes, num_logical = prob.latency.shape
-    scale = prob.num_microbatches - 1
-    best: list = [np.inf, None]
-
-    def extend(bounds: tuple[int, ...], options: list, pos: int, left: int, chosen: list) -> None:
-        if pos == len(options):
-            if left == 0:
-                lats = [lat for _, _, lat in chosen]
-                objective = sum(lats) + scale * max(lats)
-                if objective < best[0]:
-                    best[:] = [
-                        objective,
-                        [(bounds[p], bounds[p + 1], k, q) for p, (k, q, _) in enumerate(chosen)],
-                    ]
-            return
-        for k, q, lat in options[pos]:
-            if prob.devices[k] <= left:
-                extend(bounds, options, pos + 1, left - int(prob.devices[k]), [*chosen, (k, q, lat)])
-
+    best: tuple[float, list[tuple[int, int, int, int]]] | None = None
     for num_cuts in range(min(num_layers, prob.num_devices)):
         for cuts in itertools.combinations(range(1, num_layers), num_cuts):
             bounds = (0, *cuts, num_layers)
@@ -83,12 +66,32 @@ def brute_force(
                         if fits[i, j, k, q]
                     ]
                 )
-            extend(bounds, options, 0, prob.num_devices, [])
-    if best[1] is None:
+            for combo in _assignments(options, prob.devices, prob.num_devices):
+                lats = [lat for _, _, lat in combo]
+                objective = sum(lats) + (prob.num_microbatches - 1) * max(lats)
+                if best is None or objective < best[0]:
+                    best = (
+                        objective,
+                        [(bounds[p], bounds[p + 1], k, q) for p, (k, q, _) in enumerate(combo)],
+                    )
+    if best is None:
         raise _no_plan_error(prob)
     sol = _solution(prob, best[1])
     assert sol is not None
     return sol
+
+
+def _assignments(options: list, devices: np.ndarray, left: int) -> Iterator[tuple]:
+    """Every pick of one option per stage whose submeshes' device counts add up to ``left``."""
+    if not options:
+        if left == 0:
+            yield ()
+        return
+    for option in options[0]:
+        used = int(devices[option[0]])
+        if used <= left:
+            for rest in _assignments(options[1:], devices, left - used):
+                yield (option, *rest)
 
 
 def _fixed_groups(
@@ -107,8 +110,9 @@ def _fixed_groups(
     choices = []
     for pos in range(num_stages):
         i, j = bounds[pos], bounds[pos + 1] - 1
-        fits = prob.fits(num_in_flight(num_stages - 1 - pos, prob.num_microbatches, prob.schedule))[i, j]  # type: ignore[arg-type]
-        fits &= (prob.devices == share)[:, None]
+        in_flight = num_in_flight(num_stages - 1 - pos, prob.num_microbatches, prob.schedule)
+        memory = prob.param_memory[i, j] + in_flight * prob.activation_memory[i, j]
+        fits = (memory <= prob.memory_budget) & (prob.devices == share)[:, None]
         if allowed is not None:
             fits &= allowed
         lat = np.where(fits, prob.latency[i, j], np.inf)

@@ -167,8 +167,8 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_positive(field: str, value: object) -> None:
-    if not (_is_number(value) and value > 0):  # type: ignore[operator]
+def _check_positive(field: str, value: float) -> None:
+    if not (_is_number(value) and value > 0):
         raise ValueError(f"{field} must be a positive finite number, got {value!r}")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -65,7 +66,7 @@ class StageSolution:
 
     def __post_init__(self) -> None:
         bounds = [(st.start, st.stop) for st in self.stages]
-        if not bounds or bounds[0][0] != 0 or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        if not bounds or bounds[0][0] != 0 or any(a[1] != b[0] for a, b in itertools.pairwise(bounds)):
             raise ValueError(f"StageSolution.stages must be contiguous from layer 0, got layers {bounds}")
 
     @property
@@ -96,7 +97,7 @@ class _Problem:
     memory_budget: float
     num_devices: int
     num_microbatches: int
-    schedule: str
+    schedule: StageSchedule
     layer_names: tuple[str, ...]
     submesh_names: tuple[str, ...]
     logical_names: tuple[tuple[str, ...], ...]
@@ -189,7 +190,7 @@ def _solution(prob: _Problem, choices: Sequence[tuple[int, int, int, int]]) -> S
     stages = []
     for pos, (start, stop, k, q) in enumerate(choices):
         lat = float(prob.latency[start, stop - 1, k, q])
-        in_flight = num_in_flight(num_stages - 1 - pos, prob.num_microbatches, prob.schedule)  # type: ignore[arg-type]
+        in_flight = num_in_flight(num_stages - 1 - pos, prob.num_microbatches, prob.schedule)
         mem = float(
             prob.param_memory[start, stop - 1, k, q]
             + in_flight * prob.activation_memory[start, stop - 1, k, q]
@@ -221,7 +222,7 @@ def _fmt_bytes(num: float) -> str:
 
 def _no_plan_error(prob: _Problem) -> NoFeasiblePlanError:
     """Explains infeasibility through the layer that is hardest to place on its own."""
-    in_flight = num_in_flight(0, prob.num_microbatches, prob.schedule)  # type: ignore[arg-type]
+    in_flight = num_in_flight(0, prob.num_microbatches, prob.schedule)
     budget = _fmt_bytes(prob.memory_budget)
     layers = np.arange(prob.latency.shape[0])
     lat = prob.latency[layers, layers]  # (L, K, Q): each layer alone
@@ -428,12 +429,14 @@ def solve_stages(
 ) -> StageSolution:
     """Splits layers into pipeline stages on submeshes, minimising Alpa's pipeline latency.
 
-    For each candidate bound ``t_max`` on stage latency (the distinct latencies, in
-    increasing order) a dynamic program from the last layer backwards minimises the sum of
-    stage latencies; the best ``sum + (B - 1) * t_max`` wins. The scan stops once even the
-    unbounded minimum sum plus ``(B - 1) * t_max`` cannot beat the best found.
+    Alpa's algorithm: for a bound ``t_max`` on stage latency (candidates: the distinct
+    latencies), a dynamic program from the last layer backwards, over (start layer, devices
+    left, stages after), minimises the sum of stage latencies; the best
+    ``sum + (B - 1) * t_max`` wins. Rather than scanning every candidate in increasing order
+    until ``(B - 1) * t_max`` exceeds the best, a branch and bound over the candidates
+    skips those that provably cannot win; the result is the same.
 
-    Exact ties go to the smallest ``t_max``; within it, the plan is read off stage by stage
+    Exact ties go to the smallest ``t_max`` (when B > 1); within it, the plan is read off stage by stage
     from the first, preferring a longer stage, then a smaller submesh index, then a smaller
     logical index, then fewer stages after it. Equal inputs always give equal plans.
 
@@ -481,9 +484,9 @@ def _search_t_max(
     ``S(t)``, the least latency sum with stages of at most ``t``, falls as ``t`` grows, so
     over a range of unexplored candidates ``(a, b)`` the objective is at least
     ``S(b) + (B - 1) * t[a + 1]``; ranges that cannot beat the best are skipped. A solution
-    for ``t`` whose slowest stage takes ``m`` also settles every bound in ``[m, t]``. This
-    visits the candidates Alpa scans in increasing order, with the same result, but
-    solves far fewer of them.
+    for ``t`` whose slowest stage takes ``m`` also settles every bound in ``[m, t]``. The
+    candidates are those of Alpa's increasing scan and so is the plan returned, but far
+    fewer dynamic programs are solved.
     """
     scale = prob.num_microbatches - 1
     usable = np.where(capacity >= 1, prob.latency, np.inf)
