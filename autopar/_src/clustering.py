@@ -122,13 +122,16 @@ def choose_num_layers(
     bytes_factor: float = 2.0,
 ) -> int:
     """The largest ``L`` in ``[1, min(H, max_layers)]`` whose clustering is balanced
-    and whose widest cut is at most ``bytes_factor`` times the narrowest cut
-    position between the first and last heavy equation.
+    and whose widest cut is at most ``bytes_factor`` times the widest cut of the
+    clustering into two layers.
 
-    That narrowest position is the least ``max_cut_bytes`` any ``L >= 2`` can
-    reach (it is what ``L = 2`` gets without the FLOPs bound). ``L = 1`` always
-    qualifies, so the result is at least 1. More layers give the stage search
-    more freedom; the bytes bound keeps it from cutting through wide activations.
+    Splitting the loss in two at all costs that much: it is what any pipeline
+    cuts through at least once, so it measures what is "wide" for this model (a
+    transformer's residual stream; a conv net's mid-network feature map) rather
+    than the narrowest spot anywhere (which in a conv net sits by the head).
+    ``L = 1`` always qualifies, so the result is at least 1. More layers give the
+    stage search more freedom; the bytes bound keeps it from cutting through
+    activations much wider than that.
 
     Raises:
       ValueError: as :func:`cluster_layers`.
@@ -151,12 +154,12 @@ def brute_force_clustering(
     n = len(flops)
     heavy = np.flatnonzero(flops > 0)
     if num_layers is None:
-        reference = float(cut_bytes[heavy[0] + 1 : heavy[-1] + 1].min()) if len(heavy) > 1 else 0.0
 
         def probe(num: int) -> tuple[bool, float]:
             c = brute_force_clustering(flops, cut_bytes, num_layers=num, tolerance=tolerance)
             return c.balanced, c.max_cut_bytes
 
+        reference = probe(2)[1] if len(heavy) > 1 else 0.0
         num_layers = _auto_num_layers(len(heavy), reference, max_layers, bytes_factor, probe)
     _check_num_layers(num_layers, len(heavy))
     prefix = _prefix(flops)
@@ -290,12 +293,11 @@ def _cheapest_nodes(red: _Reduced, allowed: np.ndarray, num_layers: int) -> list
 
 
 def _choose(red: _Reduced, tolerance: float, max_layers: int, bytes_factor: float) -> int:
-    reference = float(red.node_bytes[1:-1].min()) if red.num_heavy > 1 else 0.0
-
     def probe(num: int) -> tuple[bool, float]:
         balanced, limit = _flops_limit(red, num, tolerance)
         return balanced, _min_widest_cut(red.seg <= limit, red.node_bytes, num)
 
+    reference = probe(2)[1] if red.num_heavy > 1 else 0.0
     return _auto_num_layers(red.num_heavy, reference, max_layers, bytes_factor, probe)
 
 
