@@ -184,7 +184,7 @@ def test_bad_input_is_a_clear_error_before_any_work(options, message):
 @pytest.mark.parametrize(
     "options,message",
     [
-        (dict(num_microbatches=0), "num_microbatches must be a positive int, got 0"),
+        (dict(num_microbatches=0), "num_microbatches must be a positive int or .auto., got 0"),
         (dict(num_stages=0), "num_stages must be a positive int or 'auto', got 0"),
         (dict(schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
     ],
