@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.extend.core as jcore
+from jax.extend import source_info_util
 from jax.interpreters import ad, mlir
 
 Var = jcore.Var
@@ -72,12 +73,21 @@ def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     subfuns, params = bound if isinstance(bound, tuple) else ([], bound)
     ctx = getattr(eqn, "ctx", None)
     manager = getattr(ctx, "manager", None) if ctx is not None else None
-    if manager is not None:
-        with manager:
+    # Re-binding under the equation's own source info keeps the user's file and line
+    # (and name stack) on the new equation instead of autopar's evaluator.
+    info = eqn.source_info
+    with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
+        if manager is not None:
+            with manager:
+                out = eqn.primitive.bind(*subfuns, *invals, **params)
+        else:
             out = eqn.primitive.bind(*subfuns, *invals, **params)
-    else:
-        out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def source_line(eqn: Any) -> str:
+    """``file:line (function)`` of the user code that made ``eqn``."""
+    return source_info_util.summarize(eqn.source_info)
 
 
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:

@@ -29,6 +29,12 @@ class StagePlan:
     """Predicted seconds of one microbatch's forward and backward (0: not predicted)."""
     memory_bytes: float = 0.0
     """Predicted peak bytes per device under the schedule (0: not predicted)."""
+    compute_time: float = 0.0
+    """Predicted seconds of computation in ``latency``."""
+    source: tuple[str, str] = ("", "")
+    """Source lines of the stage's first and last forward equations."""
+    largest_params: tuple[str, ...] = ()
+    """The stage's largest parameters: pytree path, shape and partition spec."""
 
     def __post_init__(self) -> None:
         start, stop = self.layers
@@ -153,6 +159,15 @@ class Plan:
         """Reads a plan written by :meth:`save`."""
         with open(path) as f:
             return cls.from_json(f.read())
+
+    def timeline(self, path: str, **simulate_kwargs: Any) -> None:
+        """Draws the schedule as a Gantt chart PNG (one row per stage) from predicted times.
+
+        Measured times can be given as ``task_seconds={(stage, "F" | "B"): seconds}``.
+        """
+        from autopar._src import timeline
+
+        timeline.plan_timeline(self, path, **simulate_kwargs)
 
     def __str__(self) -> str:
         from autopar._src import report

@@ -35,6 +35,8 @@ class StageCosts:
     """Per-device bytes of parameters, gradients and optimizer state."""
     activation_memory: np.ndarray
     """Per-device bytes one in-flight microbatch keeps for the backward."""
+    compute: np.ndarray
+    """The part of ``latency`` spent computing (the rest is communication and dispatch)."""
     submeshes: tuple[tuple[int, int], ...]
     """Submesh shapes ``(hosts, devices)``."""
     logical: tuple[tuple[tuple[int, int], ...], ...]
@@ -78,6 +80,7 @@ def stage_costs(
     latency = np.full(shape, np.inf)
     param_mem = np.full(shape, np.inf)
     act_mem = np.full(shape, np.inf)
+    compute_time = np.full(shape, np.inf)
 
     def ranges(x: np.ndarray) -> np.ndarray:
         p = np.concatenate([[0.0], np.cumsum(x)])
@@ -100,12 +103,14 @@ def stage_costs(
             send = 2 * (out_bytes / dp / link.bandwidth + link.latency)
             lat = compute + tp_comm + grad_sync + send + 2 * task_overhead
             latency[:, :, k, q] = np.where(valid, lat, np.inf)
+            compute_time[:, :, k, q] = np.where(valid, compute, np.inf)
             param_mem[:, :, k, q] = np.where(valid, params * (2.0 + profile.state_per_param) / tp, np.inf)
             act_mem[:, :, k, q] = np.where(valid, stash / (dp * tp), np.inf)
     return StageCosts(
         latency=latency,
         param_memory=param_mem,
         activation_memory=act_mem,
+        compute=compute_time,
         submeshes=submeshes,
         logical=logical,
     )
@@ -127,7 +132,10 @@ def solve(
       NoFeasiblePlanError: if no plan fits the devices' memory.
     """
     costs = stage_costs(
-        profile, spec, num_microbatches=num_microbatches, batch_scale=batch_scale,
+        profile,
+        spec,
+        num_microbatches=num_microbatches,
+        batch_scale=batch_scale,
         tensor_parallel=tensor_parallel,
     )
     solution = stages.solve_stages(

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import planner, profile, stages, trace
+from autopar._src import cost, planner, profile, stages, trace
 from autopar._src.plan import Plan, StagePlan
 
 DATA_AXIS = "data"
@@ -48,6 +48,27 @@ def _region_layers(step: trace.TracedStep) -> tuple[tuple[int, ...], tuple[float
     return info.cuts, info.layer_flops, info.fingerprint
 
 
+def _stage_details(
+    step: trace.TracedStep,
+    args: tuple[Any, ...],
+    prof: profile.LayerProfile | None,
+    layers: tuple[int, int],
+    spec_text: str,
+) -> dict[str, Any]:
+    """Source span and largest parameters of the stage holding ``layers``."""
+    at = step.region_index()
+    if at is None or prof is None:
+        return {}
+    sources = step.jaxpr.eqns[at].params["info"].layer_sources
+    start, stop = layers
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    index = {v: i for i, v in enumerate(step.arg_vars)}
+    owned = [v for v, layer in prof.param_layer.items() if start <= layer < stop and v in index]
+    owned.sort(key=lambda v: (-cost.aval_bytes(v.aval), index[v]))
+    largest = tuple(f"{paths[index[v]]} {v.aval.dtype}{list(v.aval.shape)} {spec_text}" for v in owned[:3])
+    return {"source": (sources[start][0], sources[stop - 1][1]), "largest_params": largest}
+
+
 def _require_region(step: trace.TracedStep, num_microbatches: int, num_stages: int) -> None:
     if step.region_index() is None and (num_microbatches > 1 or num_stages > 1):
         raise ValueError(
@@ -73,6 +94,7 @@ def uniform_plan(
     step = trace_at(fn, args, batch_ids, rows, trace.TraceOptions(num_layers=num_stages))
     _require_region(step, num_microbatches, num_stages)
     cuts, flops, fingerprint = _region_layers(step)
+    prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None
     per = len(devices) // num_stages
     stage_plans = tuple(
         StagePlan(
@@ -81,6 +103,7 @@ def uniform_plan(
             mesh_shape=(per,),
             axis_names=(DATA_AXIS,),
             forward_flops=flops[i],
+            **_stage_details(step, args, prof, (i, i + 1), "replicated"),
         )
         for i in range(num_stages)
     )
@@ -281,6 +304,7 @@ def auto_plan(
     for c, idx in zip(solution.stages, placement, strict=True):
         dp, tp = costs.logical[c.submesh][c.logical]
         shape, axes = ((dp,), (DATA_AXIS,)) if tp == 1 else ((dp, tp), (DATA_AXIS, "model"))
+        sharding = "replicated" if tp == 1 else f"split {tp}-way over model"
         stage_plans.append(
             StagePlan(
                 layers=(c.start, c.stop),
@@ -290,6 +314,8 @@ def auto_plan(
                 forward_flops=float(sum(flops[c.start : c.stop])),
                 latency=c.latency,
                 memory_bytes=c.memory,
+                compute_time=float(costs.compute[c.start, c.stop - 1, c.submesh, c.logical]),
+                **_stage_details(step, args, prof, (c.start, c.stop), sharding),
             )
         )
     plan = Plan(

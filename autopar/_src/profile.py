@@ -38,6 +38,8 @@ class LayerProfile:
     """Bytes of other state (optimizer moments, ...) per byte of parameters."""
     dtype: str
     """Dtype most heavy FLOPs compute in (selects the device's peak FLOP/s)."""
+    param_layer: dict[Any, int] = dataclasses.field(default_factory=dict)
+    """For each step input var that is a differentiated parameter: the layer that reads it first."""
 
     @property
     def num_layers(self) -> int:
@@ -92,6 +94,8 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     params = np.zeros(num_layers)
     for v, layer in first_reader.items():
         params[layer] += cost.aval_bytes(v.aval)
+    outer = dict(zip([*rj.constvars, *rj.invars], step.jaxpr.eqns[at].invars, strict=True))
+    param_layer = {outer[v]: layer for v, layer in first_reader.items() if not compat.is_literal(outer[v])}
     stash = np.zeros(num_layers)
     for v, layer in stash_vars.items():
         stash[layer] += cost.aval_bytes(v.aval)
@@ -108,4 +112,5 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
         num_ops=ops,
         state_per_param=ratio,
         dtype=max(flops_by_dtype, key=flops_by_dtype.get) if flops_by_dtype else "float32",
+        param_layer=param_layer,
     )

@@ -19,38 +19,61 @@ def _flops(x: float) -> str:
     return f"{x:.0f}"
 
 
-def _bytes(x: float, budget: float) -> str:
-    text = f"{x / 2**20:.1f} MiB"
-    return f"{text} / {budget / 2**30:.1f} GiB" if budget else text
+def _bytes(x: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
 
 
-def plan_table(plan: Plan) -> str:
-    """The plan as a text table: one row per stage, then the schedule."""
-    table = Table(title="autopar plan", title_justify="left")
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 10 else f"{x:.2f} s"
+
+
+def _devices(ids: tuple[int, ...]) -> str:
+    if len(ids) > 2 and list(ids) == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def plan_table(plan: Plan, width: int = 120) -> str:
+    """The plan as text: a row per stage, each stage's code and largest tensors, the schedule."""
+    from autopar._src import timeline
+
     predicted = any(st.latency for st in plan.stages)
-    cols = ["stage", "layers", "devices", "mesh", "fwd FLOPs / microbatch"]
-    cols += ["time / microbatch", "memory / device"] if predicted else []
+    table = Table(title="autopar plan", title_justify="left")
+    cols = ["stage", "layers", "devices", "mesh", "fwd FLOPs/mb"]
+    cols += ["compute/mb", "comm/mb", "memory/device"] if predicted else []
     for col in cols:
         table.add_column(col)
     for i, st in enumerate(plan.stages):
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape, strict=True))
-        table.add_row(
+        first, last = st.layers[0], st.layers[1] - 1
+        row = [
             str(i),
-            str(st.layers[0]) if st.layers[1] - st.layers[0] == 1 else f"{st.layers[0]}..{st.layers[1] - 1}",
-            ",".join(map(str, st.device_ids)),
-            mesh,
+            str(first) if first == last else f"{first}-{last}",
+            _devices(st.device_ids),
+            " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape, strict=True)),
             _flops(st.forward_flops),
-            *([f"{st.latency * 1e3:.2f} ms", _bytes(st.memory_bytes, plan.memory_budget)]
-              if predicted else []),
-        )
+        ]
+        if predicted:
+            budget = f" / {_bytes(plan.memory_budget)}" if plan.memory_budget else ""
+            row += [_seconds(st.compute_time), _seconds(st.latency - st.compute_time),
+                    _bytes(st.memory_bytes) + budget]
+        table.add_row(*row)
     buf = io.StringIO()
-    console = Console(file=buf, width=100, force_terminal=False, color_system=None)
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     console.print(table)
+    for i, st in enumerate(plan.stages):
+        if st.source[0] or st.largest_params:
+            console.print(f"stage {i}: {st.source[0]} ... {st.source[1]}", soft_wrap=True)
+            for p in st.largest_params:
+                console.print(f"    {p}", soft_wrap=True)
+    tasks = timeline.simulate(plan)
     summary = (
-        f"schedule={plan.schedule}  microbatches={plan.num_microbatches}  "
-        f"layers={plan.num_layers}  stages={plan.num_stages}"
+        f"schedule={plan.schedule}  microbatches={plan.num_microbatches}  layers={plan.num_layers}  "
+        f"stages={plan.num_stages}  bubble={timeline.bubble_fraction(tasks, plan.num_stages):.1%}"
     )
     if plan.predicted_step_time:
-        summary += f"  predicted step {plan.predicted_step_time * 1e3:.2f} ms"
+        summary += f"  predicted step {_seconds(plan.predicted_step_time)}"
     console.print(summary)
     return buf.getvalue().rstrip()

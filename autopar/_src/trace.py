@@ -64,6 +64,8 @@ class RegionInfo:
     """Equations in the flattened forward loss jaxpr."""
     fingerprint: str
     """Hash of the forward's primitives and the differentiated inputs' shapes (not the batch size)."""
+    layer_sources: tuple[tuple[str, str], ...]
+    """Source lines of the first and last equation of each layer."""
 
 
 grad_region_p = compat.Primitive("autopar_grad_region")
@@ -147,6 +149,7 @@ def _region_value_and_grad(
         layer_flops=tuple(layer_flops),
         num_forward_eqns=len(flat_jaxpr.eqns),
         fingerprint=_fingerprint(flat_jaxpr, diff_leaves),
+        layer_sources=_layer_sources(flat_jaxpr, cuts),
     )
     outs = grad_region_p.bind(*grad_consts, *inputs, *diff_leaves, info=info)
     value = outs[0]
@@ -154,6 +157,16 @@ def _region_value_and_grad(
     grads = jax.tree.unflatten(diff_tree, outs[1 + info.num_aux :])
     grads = grads[0] if isinstance(argnums, int) else grads
     return ((value, aux), grads) if has_aux else (value, grads)
+
+
+def _layer_sources(forward: Any, cuts: Sequence[int]) -> tuple[tuple[str, str], ...]:
+    bounds = [0, *cuts, len(forward.eqns)]
+    lines = [compat.source_line(e) for e in forward.eqns]
+    spans = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        known = [line for line in lines[a:b] if line]
+        spans.append((known[0], known[-1]) if known else ("", ""))
+    return tuple(spans)
 
 
 def _fingerprint(forward: Any, diff_leaves: Sequence[Any]) -> str:
