@@ -3,6 +3,7 @@
 from autopar._src.api import AutoParallel, Options, autoparallel, plan_step
 from autopar._src.cluster import ClusterSpec, DeviceSpec, parse_cluster
 from autopar._src.cluster import preset as cluster_preset
+from autopar._src.compare import Comparison, Manual, compare, megatron_rules
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.stages import NoFeasiblePlanError
 from autopar._src.trace import grad, value_and_grad
@@ -10,6 +11,8 @@ from autopar._src.trace import grad, value_and_grad
 __all__ = [
     "AutoParallel",
     "ClusterSpec",
+    "Comparison",
+    "Manual",
     "DeviceSpec",
     "NoFeasiblePlanError",
     "Options",
@@ -17,7 +20,9 @@ __all__ = [
     "StagePlan",
     "autoparallel",
     "cluster_preset",
+    "compare",
     "grad",
+    "megatron_rules",
     "parse_cluster",
     "plan_step",
     "value_and_grad",

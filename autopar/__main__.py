@@ -8,6 +8,8 @@ import sys
 EPILOG = """examples:
   python -m autopar demo                      # GPT on 8 simulated CPU devices, 2 stages x 4 microbatches
   python -m autopar demo --stages 4 --microbatches 8 --schedule gpipe --steps 20
+  autopar plan --model gpt-2.6b --cluster 1x8xV100 --json out.json --timeline out.png
+  autopar compare --model gpt-tiny --manual megatron
 """
 
 
@@ -32,7 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     demo.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     demo.add_argument("--batch-size", type=int, default=32)
+    from autopar._src import cli
+
+    cli.add_commands(sub)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return cli.run_plan(args)
+    if args.command == "compare":
+        return cli.run_compare(args)
     if args.command == "demo":
         from autopar._src import demo as demo_mod
 

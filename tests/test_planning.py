@@ -54,7 +54,9 @@ def test_no_plan_fits_is_a_clear_error_before_any_work():
     step, state = train.setup("gpt", "linen", config, optax.sgd(0.1))
     batch = train.make_batch("gpt", config, BATCH)
     par = autopar.autoparallel(step, num_stages="auto", num_microbatches=4, cluster=_cpu_cluster(0.3))
-    with pytest.raises(autopar.NoFeasiblePlanError, match=r"largest layer, layer \d+, does not fit anywhere") as e:
+    with pytest.raises(
+        autopar.NoFeasiblePlanError, match=r"largest layer, layer \d+, does not fit anywhere"
+    ) as e:
         par(state, batch)
     message = str(e.value)
     assert "parameters/gradients/optimizer state" in message and "307.20 KiB" in message
@@ -89,7 +91,9 @@ def test_plan_round_trips_and_is_reused(tmp_path):
     assert loaded == plan
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], plan=loaded)
     # Another model does not match the plan's layers.
-    other_step, other_state = train.setup("gpt", "linen", train.tiny_config("gpt", num_layers=2), optax.sgd(0.1))
+    other_step, other_state = train.setup(
+        "gpt", "linen", train.tiny_config("gpt", num_layers=2), optax.sgd(0.1)
+    )
     with pytest.raises(ValueError, match="(?i)the plan does not match this step"):
         autopar.autoparallel(other_step, plan=loaded)(other_state, batches[0])
     # Nor do devices it was not made for.

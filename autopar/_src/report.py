@@ -57,8 +57,11 @@ def plan_table(plan: Plan, width: int = 120) -> str:
         ]
         if predicted:
             budget = f" / {_bytes(plan.memory_budget)}" if plan.memory_budget else ""
-            row += [_seconds(st.compute_time), _seconds(st.latency - st.compute_time),
-                    _bytes(st.memory_bytes) + budget]
+            row += [
+                _seconds(st.compute_time),
+                _seconds(st.latency - st.compute_time),
+                _bytes(st.memory_bytes) + budget,
+            ]
         table.add_row(*row)
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
