@@ -10,6 +10,7 @@ EPILOG = """examples:
   python -m autopar demo --stages 4 --microbatches 8 --schedule gpipe --steps 20
   autopar plan --model gpt-2.6b --cluster 1x8xV100 --json out.json --timeline out.png
   autopar compare --model gpt-tiny --manual megatron
+  autopar bench --model gpt-small --stages 1 2 4
 """
 
 
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     from autopar._src import cli
 
     cli.add_commands(sub)
+    cli.add_bench(sub)
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return cli.run_bench(args)
     if args.command == "plan":
         return cli.run_plan(args)
     if args.command == "compare":

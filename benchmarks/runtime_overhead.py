@@ -30,54 +30,24 @@ def main() -> None:
     args = parser.parse_args()
     _common.use_cpu_devices(args.devices)
 
-    import jax
-    import numpy as np
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    import autopar
+    from autopar._src import bench
     from models import train
 
     config = train.GPTConfig.preset(args.model)
     step, state = train.setup("gpt", "linen", config, optax.adamw(1e-3))
     batch = train.make_batch("gpt", config, args.batch_size)
-
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    rep = NamedSharding(mesh, PartitionSpec())
-    state_jit = jax.device_put(state, rep)
-    batch_jit = jax.device_put(batch, NamedSharding(mesh, PartitionSpec("data")))
-    jitted = jax.jit(step)
-
     configs = {
-        "jax.jit (data parallel, 8 devices)": None,
         "autopar 1 stage x 1 microbatch": dict(num_stages=1, num_microbatches=1),
         "autopar 2 stages x 4 microbatches (1f1b)": dict(num_stages=2, num_microbatches=4),
         "autopar 4 stages x 4 microbatches (1f1b)": dict(num_stages=4, num_microbatches=4),
     }
-    states = {}
-    fns = {}
-    for name, opts in configs.items():
-        if opts is None:
-            states[name] = state_jit
-            fn, b = jitted, batch_jit
-        else:
-            states[name] = state
-            fn, b = autopar.autoparallel(step, **opts), batch
-
-        def run(name=name, fn=fn, b=b):
-            states[name], loss = fn(states[name], b)
-            return loss
-
-        fns[name] = run
-    # Warm up: compile, and settle every state on its devices.
-    for fn in fns.values():
-        for _ in range(3):
-            jax.block_until_ready(fn())
-    times = _common.interleaved_medians(fns, args.rounds)
-    base = _common.summary(times["jax.jit (data parallel, 8 devices)"])[0]
+    times = bench.step_times(step, state, batch, configs, rounds=args.rounds)
+    base = _common.summary(times[bench.JIT])[0]
     headers = ["configuration", "median ms", "p10 ms", "p90 ms", "ratio vs jax.jit"]
     rows = []
-    for name in configs:
+    for name in times:
         med, p10, p90 = _common.summary(times[name])
         rows.append([name, f"{med * 1e3:.1f}", f"{p10 * 1e3:.1f}", f"{p90 * 1e3:.1f}", f"{med / base:.3f}"])
     _common.print_table("runtime overhead", headers, rows)

@@ -49,6 +49,57 @@ def add_commands(sub: Any) -> None:
     cmp.add_argument("--steps", type=int, default=6)
 
 
+def add_bench(sub: Any) -> None:
+    """Adds ``bench``."""
+    bench = sub.add_parser(
+        "bench",
+        help="step time of autopar plans vs jax.jit on simulated CPU devices",
+        description="Median step time of autopar plans and of jax.jit with the same data-parallel "
+        "shardings, alternating round by round.",
+        epilog="example: autopar bench --model gpt-small --stages 1 2 4 --microbatches 4",
+    )
+    bench.add_argument("--model", default="gpt-small")
+    bench.add_argument("--devices", type=int, default=8)
+    bench.add_argument("--stages", nargs="+", default=["1", "2"], help="num_stages values (int or auto)")
+    bench.add_argument("--microbatches", type=int, default=4, help="microbatches of multi-stage plans")
+    bench.add_argument("--batch-size", type=int, default=32)
+    bench.add_argument("--rounds", type=int, default=10)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``autopar bench``."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", args.devices)
+    import optax
+    from rich.console import Console
+    from rich.table import Table
+
+    from autopar._src import bench
+    from models import registry, train
+
+    kind, config = registry.lookup(args.model)
+    step, state = train.setup(kind, "linen", config, optax.adamw(1e-3))
+    batch = train.make_batch(kind, config, args.batch_size)
+    configs = {}
+    for s in args.stages:
+        stages = _int_or_auto(s)
+        nmb = 1 if stages == 1 else args.microbatches
+        configs[f"autopar {stages} stage(s) x {nmb} microbatch(es)"] = dict(
+            num_stages=stages, num_microbatches=nmb
+        )
+    times = bench.step_times(step, state, batch, configs, rounds=args.rounds)
+    base = bench.median(times[bench.JIT])
+    table = Table(title=f"{args.model}, batch {args.batch_size}, {args.devices} CPU devices")
+    for col in ("configuration", "median step", "ratio vs jax.jit"):
+        table.add_column(col)
+    for name, ts in times.items():
+        table.add_row(name, f"{bench.median(ts) * 1e3:.1f} ms", f"{bench.median(ts) / base:.3f}")
+    Console().print(table)
+    return 0
+
+
 def _int_or_auto(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
