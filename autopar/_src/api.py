@@ -202,8 +202,10 @@ class AutoParallel:
 def _aval_key(x: Any) -> Any:
     # Weak types are dropped: a Python scalar and the array a step returns for it
     # (e.g. TrainState.step) share one compiled program.
+    if isinstance(x, jax.Array | np.ndarray):
+        return (x.shape, x.dtype)
     aval = jax.typeof(x)
-    return (tuple(aval.shape), str(aval.dtype))
+    return (tuple(aval.shape), aval.dtype)
 
 
 def _leaf_ids(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:

@@ -141,6 +141,11 @@ class Executable:
         self.num_compiled = len(cache)
         self._unstack: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._runs = [self._compile_instr(ins) for ins in self.program.instrs]
+        self._shardings = {
+            (key, s): self.sharding(key, s)
+            for key, stages in self.program.input_stages.items()
+            for s in stages
+        }
 
     # -- shardings ---------------------------------------------------------------------------
     def spec(self, key: Key, stage: int) -> PartitionSpec:
@@ -175,6 +180,7 @@ class Executable:
     def _place_inputs(self, leaves: Sequence[Any]) -> dict[tuple[Key, int], Any]:
         env: dict[tuple[Key, int], Any] = {}
         nmb = self.plan.num_microbatches
+        direct: list[tuple[tuple[Key, int], Any, NamedSharding]] = []
         for key, stages in self.program.input_stages.items():
             var, tag = key
             for s in stages:
@@ -187,12 +193,16 @@ class Executable:
                     env[loc] = self._placed_consts[loc]
                 elif tag is None or nmb == 1:
                     leaf = _strongly_typed(leaves[self._arg_index[var]])
-                    env[(key, s)] = jax.device_put(leaf, self.sharding(key, s))
+                    direct.append(((key, s), leaf, self._shardings[(key, s)]))
                 else:
                     parts = self._split(leaves[self._arg_index[var]], var, s)
                     for j, part in enumerate(parts):
                         if (var, j) in self.program.input_stages and s in self.program.input_stages[(var, j)]:
                             env[((var, j), s)] = part
+        if direct:
+            # One batched call: leaves already in place (the state a step returned) cost ~nothing.
+            placed = jax.device_put([x for _, x, _ in direct], [sh for _, _, sh in direct])
+            env.update(zip([loc for loc, _, _ in direct], placed, strict=True))
         return env
 
     def _split(self, x: Any, var: Any, stage: int) -> tuple[Any, ...]:
@@ -235,6 +245,8 @@ class Executable:
 
 def _strongly_typed(x: Any) -> Any:
     """``x`` without a weak type (steps are traced with strong types)."""
+    if isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not x.weak_type):
+        return x
     aval = jax.typeof(x)
     return np.asarray(x, dtype=aval.dtype) if aval.weak_type else x
 

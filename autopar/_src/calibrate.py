@@ -1,0 +1,454 @@
+"""Device calibration: measure this machine's devices and describe them as a :class:`ClusterSpec`.
+
+Every figure the cost model reads from a spec is timed on the real devices: peak
+FLOP/s per dtype (a square matmul on one device), memory bandwidth (an elementwise
+pass over a large array) and the intra-host link (an all-reduce over all devices,
+solved for latency and bandwidth with the same ring model the planner uses).
+What one host cannot measure (links between hosts) and what the runtime does not
+report (memory size on some platforms) comes from a *base* spec.
+
+Example:
+  >>> spec = calibrate(quick=True)
+  >>> spec.save("cluster.json")
+  >>> print(summary_table(spec))
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+from autopar._src import cluster as cluster_mod
+from autopar._src.cluster import REQUIRED_DTYPES, ClusterSpec, DeviceSpec
+
+_MIB = 2**20
+
+# Timer floor: no device operation completes faster than this, so a smaller reading is timer noise
+# and would otherwise turn into an infinite rate.
+_MIN_SECONDS = 1e-7
+
+# The mesh axis of the all-reduce.
+_AXIS = "i"
+
+
+class CalibrationError(RuntimeError):
+    """A measurement gave a figure that cannot describe a device (not finite or not positive)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Effort:
+    """How long and how large the measurements are."""
+
+    min_seconds: float
+    """Problem sizes grow until one timed call takes at least this long (or hits its maximum)."""
+    repeats: int
+    """Timed calls per throughput figure; the median is kept."""
+    latency_repeats: int
+    """Timed calls of the tiny all-reduce; the median is kept."""
+    max_matmul_dim: int
+    """Largest square matmul side."""
+    max_stream_bytes: int
+    """Largest array of the memory-bandwidth pass."""
+    max_allreduce_bytes: int
+    """Largest all-reduce message per device."""
+
+
+_QUICK = _Effort(
+    min_seconds=0.01,
+    repeats=3,
+    latency_repeats=10,
+    max_matmul_dim=4096,
+    max_stream_bytes=64 * _MIB,
+    max_allreduce_bytes=16 * _MIB,
+)
+_FULL = _Effort(
+    min_seconds=0.05,
+    repeats=10,
+    latency_repeats=50,
+    max_matmul_dim=16384,
+    max_stream_bytes=1024 * _MIB,
+    max_allreduce_bytes=256 * _MIB,
+)
+
+
+def default_base(device: jax.Device) -> ClusterSpec:
+    """The preset a calibration of ``device`` falls back on for what it cannot measure.
+
+    The preset named in the device kind (``"h100"``, ``"a100"``, ``"v100"``), ``"cpu"`` on
+    the CPU platform, and otherwise ``"h100"`` as a generic accelerator: accelerators report
+    their memory size, so only the inter-host link figures of the fallback are used there.
+    """
+    kind = str(device.device_kind).lower()
+    for name in ("h100", "a100", "v100"):
+        if name in kind:
+            return cluster_mod.preset(name)
+    return cluster_mod.preset("cpu" if device.platform == "cpu" else "h100")
+
+
+def calibrate(
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    quick: bool = False,
+    progress: bool = True,
+    base: ClusterSpec | None = None,
+) -> ClusterSpec:
+    """Measures ``devices`` and returns a one-host-per-process spec describing them.
+
+    Peak FLOP/s per dtype and memory bandwidth are timed on the first device; the intra-host
+    link on an all-reduce over all of them. With a single device, and for links between
+    hosts, the base spec's figures are kept; memory size comes from the runtime when it
+    reports one, else from the base spec.
+
+    Args:
+      devices: devices to measure (default ``jax.devices()``); only this process's are used.
+      quick: smaller problems and fewer repeats (seconds instead of a minute or so).
+      progress: show a progress bar on stderr.
+      base: spec to take unmeasured figures from (default :func:`default_base`).
+
+    Returns:
+      A spec with ``num_hosts = jax.process_count()`` and ``devices_per_host`` the number of
+      local devices measured.
+
+    Raises:
+      ValueError: if no local device is given, one is given twice, or they differ in kind.
+      CalibrationError: if a measurement is not a positive finite number.
+    """
+    local = _local_devices(jax.devices() if devices is None else devices)
+    first = local[0]
+    base = default_base(first) if base is None else base
+    if not isinstance(base, ClusterSpec):
+        raise ValueError(f"calibrate: base must be a ClusterSpec, got {type(base).__name__}")
+    effort = _QUICK if quick else _FULL
+    # Problem sizes stay well inside the device so that calibration never runs it out of memory.
+    memory_bytes = _memory_bytes(first, base)
+    room = memory_bytes // 8
+
+    results: dict[str, float] = {}
+    steps: list[tuple[str, Callable[[], float]]] = [
+        (f"{dtype} matmul", lambda dtype=dtype: _peak_flops(first, dtype, effort, room))
+        for dtype in REQUIRED_DTYPES
+    ]
+    steps.append(("memory bandwidth", lambda: _bandwidth(first, effort, room)))
+    if len(local) > 1:
+        steps.append(("link latency", lambda: _allreduce_latency(local, effort)))
+        steps.append(
+            ("link bandwidth", lambda: _allreduce_bandwidth(local, effort, room, results["link latency"]))
+        )
+    _run_steps(steps, results, progress=progress)
+
+    if len(local) > 1:
+        latency, intra_bandwidth = results["link latency"], results["link bandwidth"]
+    else:
+        latency, intra_bandwidth = base.intra_host_latency, base.intra_host_bandwidth
+    kind = str(first.device_kind)
+    return ClusterSpec(
+        name=f"{jax.process_count()}x{len(local)}x{kind.replace(' ', '-')}-calibrated",
+        num_hosts=jax.process_count(),
+        devices_per_host=len(local),
+        device=DeviceSpec(
+            name=kind,
+            peak_flops=tuple((dtype, results[f"{dtype} matmul"]) for dtype in REQUIRED_DTYPES),
+            memory_bandwidth=results["memory bandwidth"],
+            memory_bytes=memory_bytes,
+        ),
+        intra_host_bandwidth=intra_bandwidth,
+        intra_host_latency=latency,
+        # A measured intra-host link slower than the base's inter-host one would make the spec
+        # claim hosts talk faster than devices inside a host; cap the unmeasured figure instead.
+        inter_host_bandwidth=min(base.inter_host_bandwidth, intra_bandwidth),
+        inter_host_latency=base.inter_host_latency,
+    )
+
+
+def _local_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
+    given = list(devices)
+    if len({d.id for d in given}) != len(given):
+        raise ValueError(f"calibrate: a device is given twice in {given}")
+    me = jax.process_index()
+    local = [d for d in given if d.process_index == me]
+    if not local:
+        raise ValueError(
+            f"calibrate needs at least one device of this process (index {me}), got {given}; "
+            "pass devices from jax.local_devices()"
+        )
+    kinds = sorted({(d.platform, str(d.device_kind)) for d in local})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"calibrate: devices must be identical, got kinds {kinds}; calibrate each kind separately"
+        )
+    return local
+
+
+def _memory_bytes(device: jax.Device, base: ClusterSpec) -> int:
+    # The CPU runtime reports no memory statistics (memory_stats() is None); the base spec's
+    # figure stands in for it there.
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if isinstance(limit, int | np.integer) and limit > 0:
+        return int(limit)
+    return base.device.memory_bytes
+
+
+@contextlib.contextmanager
+def _progress_bar(enabled: bool) -> Iterator[Any]:
+    if not enabled:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        yield bar
+
+
+def _run_steps(
+    steps: Sequence[tuple[str, Callable[[], float]]], results: dict[str, float], *, progress: bool
+) -> None:
+    """Runs the measurement steps in order into ``results``, under a progress bar when asked."""
+    with _progress_bar(progress) as bar:
+        task = bar.add_task("calibrating", total=len(steps)) if bar is not None else None
+        for name, step in steps:
+            if bar is not None:
+                bar.update(task, description=f"calibrating: {name}")
+            results[name] = _checked(name, step())
+            if bar is not None:
+                bar.advance(task)
+
+
+def _checked(name: str, value: float) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise CalibrationError(
+            f"calibration step {name!r} measured {value!r}, expected a positive finite number; "
+            "the device may be busy or the timer unreliable, run it again"
+        )
+    return value
+
+
+def _median_seconds(call: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of ``call`` after one warm-up call, floored at :data:`_MIN_SECONDS`."""
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    if not math.isfinite(median):
+        raise CalibrationError(f"timer gave a non-finite reading {median!r}")
+    return max(median, _MIN_SECONDS)
+
+
+def _grown(
+    make_call: Callable[[int], Callable[[], Any]],
+    sizes: Sequence[int],
+    *,
+    min_seconds: float,
+    repeats: int,
+) -> tuple[int, float]:
+    """Grows the problem through ``sizes`` until a call takes ``min_seconds``; returns (size, median)."""
+    if not sizes:
+        raise ValueError("calibrate: no problem size fits the device memory")
+    for i, size in enumerate(sizes):
+        call = make_call(size)
+        jax.block_until_ready(call())  # compiles
+        start = time.perf_counter()
+        jax.block_until_ready(call())
+        # Small problems measure dispatch and caches rather than the hardware; only a call long
+        # enough (or the largest allowed) is timed in earnest.
+        if time.perf_counter() - start >= min_seconds or i == len(sizes) - 1:
+            return size, _median_seconds(call, repeats)
+    raise AssertionError("unreachable")
+
+
+def _doublings(start: int, stop: int) -> list[int]:
+    sizes = []
+    while start <= stop:
+        sizes.append(start)
+        start *= 2
+    return sizes
+
+
+def _filled(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
+    # Made on the device itself (no host copy) and cheaply: random numbers cost far more than the
+    # timed work on CPUs. 0.5 keeps the largest matmul's sums well inside float16's range, and
+    # the values are arguments, not constants, so the compiler cannot fold the work away.
+    return jax.jit(lambda: jnp.full(shape, 0.5, dtype), out_shardings=sharding)()
+
+
+def _peak_flops(device: jax.Device, dtype: str, effort: _Effort, room: int) -> float:
+    """FLOP/s of a square ``dtype`` matmul on ``device``, grown until it is compute-bound."""
+    itemsize = jnp.dtype(dtype).itemsize
+    # Two operands and the result must fit in the room left for calibration.
+    dims = [n for n in _doublings(256, effort.max_matmul_dim) if 3 * n * n * itemsize <= room] or [256]
+    # Default precision, as the user's step gets: on GPUs float32 may then run on tensor cores.
+    matmul = jax.jit(jnp.matmul)
+
+    def make_call(n: int) -> Callable[[], Any]:
+        a = _filled((n, n), dtype, SingleDeviceSharding(device))
+        b = _filled((n, n), dtype, SingleDeviceSharding(device))
+        return lambda: matmul(a, b)
+
+    n, seconds = _grown(make_call, dims, min_seconds=effort.min_seconds, repeats=effort.repeats)
+    return 2 * n**3 / seconds
+
+
+def _bandwidth(device: jax.Device, effort: _Effort, room: int) -> float:
+    """Bytes read plus written per second by an elementwise pass over a large float32 array."""
+    sizes = [s for s in _doublings(16 * _MIB, effort.max_stream_bytes) if 2 * s <= room] or [16 * _MIB]
+    # Donating the input lets each pass write over it: a fresh output buffer every call would
+    # add allocation (page faults on CPU) to what should be one read and one write.
+    stream = jax.jit(lambda x: x * 0.5 + 1.0, donate_argnums=0)
+
+    def make_call(num_bytes: int) -> Callable[[], Any]:
+        cell = [_filled((num_bytes // 4,), jnp.float32, SingleDeviceSharding(device))]
+
+        def call() -> jax.Array:
+            cell[0] = stream(cell[0])
+            return cell[0]
+
+        return call
+
+    with warnings.catch_warnings():
+        # Without donation the pass still reads and writes the array once; the figure only gets
+        # a little pessimistic, which is no reason to fail.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        num_bytes, seconds = _grown(make_call, sizes, min_seconds=effort.min_seconds, repeats=effort.repeats)
+    return 2 * num_bytes / seconds
+
+
+def _shard_map() -> Callable[..., Any]:
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map
+
+
+def _allreduce_call(devices: Sequence[jax.Device], num_bytes: int) -> Callable[[], Any]:
+    """An all-reduce of ``num_bytes`` (per device) of float32 over a 1-D mesh of ``devices``."""
+    mesh = Mesh(np.asarray(devices), (_AXIS,))
+    per_device = max(num_bytes // 4, 1)
+    x = _filled((per_device * len(devices),), jnp.float32, NamedSharding(mesh, P(_AXIS)))
+    fn = jax.jit(_shard_map()(lambda v: jax.lax.psum(v, _AXIS), mesh=mesh, in_specs=P(_AXIS), out_specs=P()))
+    return lambda: fn(x)
+
+
+def _allreduce_latency(devices: Sequence[jax.Device], effort: _Effort) -> float:
+    """Per-step latency of the ring model, from a one-element all-reduce."""
+    seconds = _median_seconds(_allreduce_call(devices, 4), effort.latency_repeats)
+    # A ring all-reduce of a negligible message is 2 (n - 1) latency-bound steps.
+    return max(seconds / (2 * (len(devices) - 1)), _MIN_SECONDS)
+
+
+def _allreduce_bandwidth(devices: Sequence[jax.Device], effort: _Effort, room: int, latency: float) -> float:
+    """Link bandwidth of the ring model, from a large all-reduce and the measured latency."""
+    n = len(devices)
+    fixed = 2 * (n - 1) * latency
+    # Grow the message until moving it costs clearly more than the fixed latency.
+    sizes = [s for s in _doublings(256 * 2**10, effort.max_allreduce_bytes) if 2 * s <= room] or [256 * 2**10]
+    num_bytes, seconds = _grown(
+        lambda size: _allreduce_call(devices, size),
+        sizes,
+        min_seconds=max(effort.min_seconds, 10 * fixed),
+        repeats=effort.repeats,
+    )
+    # time = 2 (n - 1) / n * bytes / bw + 2 (n - 1) * latency. Noise can make the difference tiny or
+    # negative when the largest message is still latency-bound; flooring the transfer time at half
+    # the total keeps the figure finite and within 2x of the latency-free lower bound.
+    transfer = max(seconds - fixed, 0.5 * seconds)
+    return 2 * (n - 1) / n * num_bytes / transfer
+
+
+def _rate(x: float, unit: str) -> str:
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+def _seconds(x: float) -> str:
+    if x >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} us"
+
+
+def summary_table(spec: ClusterSpec, width: int = 100) -> str:
+    """The spec as a text table: peak FLOP/s per dtype, memory bandwidth and size, links."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"cluster {spec.name}", title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("device", spec.device.name)
+    table.add_row("hosts x devices", f"{spec.num_hosts} x {spec.devices_per_host}")
+    for dtype, flops in spec.device.peak_flops:
+        table.add_row(f"peak {dtype}", _rate(flops, "FLOP/s"))
+    table.add_row("memory bandwidth", _rate(spec.device.memory_bandwidth, "B/s"))
+    table.add_row("memory", f"{spec.device.memory_bytes / 2**30:.2f} GiB")
+    table.add_row("intra-host link", _rate(spec.intra_host_bandwidth, "B/s"))
+    table.add_row("intra-host latency", _seconds(spec.intra_host_latency))
+    table.add_row("inter-host link", _rate(spec.inter_host_bandwidth, "B/s"))
+    table.add_row("inter-host latency", _seconds(spec.inter_host_latency))
+    buf = io.StringIO()
+    Console(file=buf, width=width, force_terminal=False, color_system=None).print(table)
+    return buf.getvalue().rstrip()
+
+
+def add_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds ``calibrate`` to the command line's sub-parsers."""
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine's devices and write a cluster spec",
+        description="Time matmuls, memory bandwidth and all-reduces on this machine's devices; print "
+        "the figures and optionally write them as a ClusterSpec JSON for `autopar plan --cluster-file`.",
+        epilog="example: autopar calibrate --quick --devices 8 --out cluster.json",
+    )
+    parser.add_argument("--out", help="write the spec as JSON here")
+    parser.add_argument("--quick", action="store_true", help="smaller problems, fewer repeats")
+    parser.add_argument(
+        "--devices", type=int, help="simulate N CPU devices and calibrate them (CPU platform only)"
+    )
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return parser
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``autopar calibrate``."""
+    devices = None
+    if args.devices is not None:
+        if args.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {args.devices}")
+        jax.config.update("jax_platforms", "cpu")
+        with contextlib.suppress(RuntimeError):
+            # Refused once JAX has started its backends (e.g. when called from a running program);
+            # the devices already there are then used if there are enough.
+            jax.config.update("jax_num_cpu_devices", args.devices)
+        available = jax.devices("cpu")
+        if len(available) < args.devices:
+            raise ValueError(
+                f"--devices {args.devices} asks for more than the {len(available)} CPU devices JAX has "
+                "started; run calibrate in a fresh process"
+            )
+        devices = available[: args.devices]
+    spec = calibrate(devices, quick=args.quick, progress=args.progress)
+    print(summary_table(spec))
+    if args.out:
+        spec.save(args.out)
+        print(f"cluster spec written to {args.out}")
+    return 0
