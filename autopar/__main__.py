@@ -11,6 +11,8 @@ EPILOG = """examples:
   autopar plan --model gpt-2.6b --cluster 1x8xV100 --json out.json --timeline out.png
   autopar compare --model gpt-tiny --manual megatron
   autopar bench --model gpt-small --stages 1 2 4
+  autopar calibrate --devices 8 --out cluster.json   # measure devices -> a cluster spec file
+  autopar plan --model gpt-1.3b --cluster 1x8xCPU --cluster-file cluster.json
 """
 
 
@@ -35,11 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     demo.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     demo.add_argument("--batch-size", type=int, default=32)
-    from autopar._src import cli
+    from autopar._src import calibrate, cli
 
     cli.add_commands(sub)
     cli.add_bench(sub)
+    calibrate.add_command(sub)
     args = parser.parse_args(argv)
+    if args.command == "calibrate":
+        return calibrate.run_command(args)
     if args.command == "bench":
         return cli.run_bench(args)
     if args.command == "plan":

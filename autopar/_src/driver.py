@@ -245,7 +245,7 @@ class Executable:
 
 def _strongly_typed(x: Any) -> Any:
     """``x`` without a weak type (steps are traced with strong types)."""
-    if isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not x.weak_type):
+    if isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not getattr(x, "weak_type", False)):
         return x
     aval = jax.typeof(x)
     return np.asarray(x, dtype=aval.dtype) if aval.weak_type else x
