@@ -12,7 +12,7 @@ EPILOG = """examples:
   autopar compare --model gpt-tiny --manual megatron
   autopar bench --model gpt-small --stages 1 2 4
   autopar calibrate --devices 8 --out cluster.json   # measure devices -> a cluster spec file
-  autopar plan --model gpt-1.3b --cluster 1x8xCPU --cluster-file cluster.json
+  autopar plan --model gpt-1.3b --cluster-file cluster.json
 """
 
 

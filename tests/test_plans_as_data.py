@@ -114,3 +114,21 @@ def test_manual_rule_that_does_not_fit_is_an_error():
 def test_compare_needs_two_batches():
     with pytest.raises(ValueError, match="at least 2 batches"):
         autopar.compare(lambda s, b: (s, 0.0), {}, [{}], manual=None)
+
+
+def test_timeline_with_measured_task_times(tmp_path):
+    config = train.tiny_config("gpt")
+    step, state = train.setup("gpt", "linen", config, optax.sgd(0.1))
+    batch = train.make_batch("gpt", config, 16)
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=4)
+    (new_state, loss), measured = par.timed(state, batch)
+    _, ref_loss = jax.jit(step)(state, batch)
+    np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5, atol=1e-6)
+    assert set(measured) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")}
+    assert all(t > 0 for t in measured.values())
+    plan = par.plan(state, batch)
+    tasks = timeline.simulate(plan, task_seconds=measured)
+    forward = [t for t in tasks if t.stage == 1 and t.kind == "F"]
+    assert np.isclose(forward[0].end - forward[0].start, measured[(1, "F")])
+    plan.timeline(str(tmp_path / "measured.png"), task_seconds=measured)
+    assert (tmp_path / "measured.png").read_bytes()[:4] == b"\x89PNG"

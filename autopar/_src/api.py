@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -135,6 +136,23 @@ class AutoParallel:
         exe = self._executable(args)
         leaves = jax.tree.leaves(args)
         return jax.tree.unflatten(exe.step.out_tree, exe(leaves))
+
+    def timed(self, *args: Any) -> tuple[Any, dict[tuple[int, str], float]]:
+        """Runs one step waiting for every task; returns the outputs and measured times.
+
+        The times are the median seconds of each stage's forward and backward tasks,
+        keyed ``(stage, "F" | "B")``, ready for ``plan.timeline(path, task_seconds=...)``.
+        Waiting serialises the pipeline, so the step itself is slower than a normal call.
+        """
+        exe = self._executable(args)
+        times: list[float] = []
+        out = jax.tree.unflatten(exe.step.out_tree, exe(jax.tree.leaves(args), task_times=times))
+        per_task: dict[tuple[int, str], list[float]] = {}
+        for task, seconds in zip(exe.program.tasks, times, strict=True):
+            match = re.fullmatch(r"([FB])\d+\.\d+", task.label)
+            if match:
+                per_task.setdefault((task.stage, match.group(1)), []).append(seconds)
+        return out, {k: float(np.median(v)) for k, v in per_task.items()}
 
     def plan(self, *args: Any) -> Plan:
         """The plan for these arguments, without running the step."""

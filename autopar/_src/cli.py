@@ -18,7 +18,7 @@ def add_commands(sub: Any) -> None:
     plan.add_argument(
         "--model", required=True, help="preset, e.g. gpt-2.6b, bert-large, wresnet-1b, moe-1.3b"
     )
-    plan.add_argument("--cluster", required=True, help="HOSTSxDEVICESxKIND, e.g. 2x8xH100, 1x8xV100")
+    plan.add_argument("--cluster", help="HOSTSxDEVICESxKIND, e.g. 2x8xH100, 1x8xV100")
     plan.add_argument("--cluster-file", help="a ClusterSpec JSON file instead of a preset")
     plan.add_argument("--batch-size", type=int, help="global batch (default: Alpa's for the family)")
     plan.add_argument("--microbatches", default="auto", help="int or auto (default auto)")

@@ -11,6 +11,7 @@ asynchronous. Dispatch never waits on a device.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -220,12 +221,20 @@ class Executable:
             )
         return self._unstack[sig](stacked)
 
-    def __call__(self, leaves: Sequence[Any]) -> list[Any]:
-        """Runs one step on the flattened arguments; returns the flattened outputs."""
+    def __call__(self, leaves: Sequence[Any], task_times: list[float] | None = None) -> list[Any]:
+        """Runs one step on the flattened arguments; returns the flattened outputs.
+
+        With ``task_times`` (a list), every task is waited for and its seconds are
+        appended, in task order (this serialises the pipeline: for profiling only).
+        """
         env = self._place_inputs(leaves)
         for kind, a, b, c, frees in self._runs:
             if kind == "run":
+                t0 = time.perf_counter()
                 outs = a(*[env[loc] for loc in b])
+                if task_times is not None:
+                    jax.block_until_ready(outs)
+                    task_times.append(time.perf_counter() - t0)
                 for loc, x in zip(c, outs, strict=True):
                     env[loc] = x
             else:

@@ -1,0 +1,48 @@
+"""The benchmark scripts run end to end and end with their ``name=value`` summary line."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str) -> list[str]:
+    env = dict(os.environ)
+    # The scripts choose their own device count; this suite's 8-device flag would contradict it.
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()
+
+
+def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path):
+    lines = _run("plan_quality.py", "--smoke", "--out-dir", str(tmp_path))
+    match = re.fullmatch(r"min_ratio_vs_best_grid=(\S+)", lines[-1])
+    assert match, lines[-1]
+    # Every grid is a plan the stage search considers, so autopar is never slower.
+    assert float(match[1]) >= 1 - 1e-9
+    [md] = [p for p in os.listdir(tmp_path) if p.endswith(".md")]
+    assert md.startswith("plan_quality_smoke_")
+    assert "| gpt-small | 8xV100 |" in (tmp_path / md).read_text()
+    data = json.loads((tmp_path / md.replace(".md", ".json")).read_text())
+    [cell] = data["cells"]
+    assert cell["autopar"]["seconds"] > 0 and "8x1x1" in cell["grids"]
+
+
+def test_gpu_single_tiny_ends_with_mfu(tmp_path):
+    lines = _run("gpu_single.py", "--tiny", "--steps", "3", "--out-dir", str(tmp_path))
+    match = re.fullmatch(r"mfu=(\S+)", lines[-1])
+    assert match, lines[-1]
+    assert 0 < float(match[1]) < float("inf")
+    [md] = os.listdir(tmp_path)
+    assert md.startswith("gpu_single_") and "jax.jit" in (tmp_path / md).read_text()
