@@ -31,6 +31,13 @@ def aval_bytes(aval: Any) -> int:
     return _prod(shape) * int(itemsize if itemsize is not None else np.dtype(dtype).itemsize)
 
 
+def splits_over_batch(aval: Any, rows: int) -> bool:
+    """Whether a per-microbatch value is split over the data axis: its leading dim is the
+    microbatch's rows (the runtime's rule, which the memory model follows)."""
+    shape = getattr(aval, "shape", ())
+    return len(shape) >= 1 and rows > 0 and shape[0] == rows
+
+
 def eqn_flops(eqn: Any) -> float:
     """FLOPs of the heavy operations in one equation (0 for light ones)."""
     return float(sum(eqn_flops_by_dtype(eqn).values()))

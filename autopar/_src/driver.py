@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar._src import compat
+from autopar._src import compat, cost
 from autopar._src.partition import Key, Op, Program, Run, Task
 from autopar._src.plan import Plan
 from autopar._src.trace import TracedStep
@@ -112,6 +112,8 @@ class Executable:
     batch_leaf_ids: tuple[int, ...]
     donated_leaf_ids: tuple[int, ...] = ()
     fns: list[Callable[..., Any]] = dataclasses.field(default_factory=list)
+    donated: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    """Per task: the input positions its executable donates."""
     num_compiled: int = 0
 
     def __post_init__(self) -> None:
@@ -139,6 +141,7 @@ class Executable:
                     donate_argnums=donate,
                 )
             self.fns.append(cache[sig])
+            self.donated.append(donate)
         self.num_compiled = len(cache)
         self._unstack: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._runs = [self._compile_instr(ins) for ins in self.program.instrs]
@@ -154,10 +157,8 @@ class Executable:
         var, tag = key
         if not isinstance(tag, int) or isinstance(tag, bool):
             return PartitionSpec()
-        shape = var.aval.shape
-        size = self.meshes[stage].shape[DATA_AXIS]
         m = self.program.microbatch_size
-        if len(shape) >= 1 and shape[0] == m and m % size == 0:
+        if cost.splits_over_batch(var.aval, m) and m % self.meshes[stage].shape[DATA_AXIS] == 0:
             return PartitionSpec(DATA_AXIS)
         return PartitionSpec()
 

@@ -50,6 +50,34 @@ def _allreduce(num_bytes: np.ndarray | float, n: int, link: cluster_mod.Link) ->
     return 2 * (n - 1) / n * num_bytes / link.bandwidth + 2 * (n - 1) * link.latency
 
 
+def stage_memory(
+    profile: LayerProfile, start: int, stop: int, *, dp: int, tp: int, num_microbatches: int,
+    batch_scale: float = 1.0,
+) -> tuple[float, float]:
+    """Per-device bytes of a stage holding layers ``start..stop-1``: ``(fixed, per_in_flight)``.
+
+    Fixed: parameters, their gradient sums and optimizer state (split over ``tp``),
+    plus, while a backward runs, one microbatch's parameter gradients and the
+    largest value the backward makes; and the batch inputs of every microbatch,
+    which are placed at the start of the step. Per in-flight microbatch: the
+    activations its forward keeps for its backward. The caller multiplies the
+    second by the schedule's in-flight count.
+    """
+    params = float(profile.param_bytes[start:stop].sum())
+    state = params * (2.0 + profile.state_per_param) / tp
+    largest = max(
+        float(profile.backward_peak_bytes[start:stop].max(initial=0.0)) * batch_scale / dp,
+        float(profile.backward_peak_replicated_bytes[start:stop].max(initial=0.0)) * batch_scale,
+    )
+    transient = params / tp + largest
+    inputs = num_microbatches * float(profile.batch_bytes[start:stop].sum()) * batch_scale / dp
+    stash = (
+        float(profile.stash_bytes[start:stop].sum()) / dp
+        + float(profile.stash_replicated_bytes[start:stop].sum())
+    ) * batch_scale / tp
+    return state + transient + inputs, stash
+
+
 def stage_costs(
     profile: LayerProfile,
     spec: cluster_mod.ClusterSpec,
@@ -88,7 +116,6 @@ def stage_costs(
 
     flops = ranges((profile.forward_flops + profile.backward_flops) * batch_scale)
     params = ranges(profile.param_bytes)
-    stash = ranges(profile.stash_bytes * batch_scale)
     acts = ranges(profile.boundary_bytes * batch_scale)
     out_bytes = np.broadcast_to(profile.boundary_bytes[None, :] * batch_scale, (n_layers, n_layers))
     valid = np.triu(np.ones((n_layers, n_layers), dtype=bool))
@@ -104,8 +131,14 @@ def stage_costs(
             lat = compute + tp_comm + grad_sync + send + 2 * task_overhead
             latency[:, :, k, q] = np.where(valid, lat, np.inf)
             compute_time[:, :, k, q] = np.where(valid, compute, np.inf)
-            param_mem[:, :, k, q] = np.where(valid, params * (2.0 + profile.state_per_param) / tp, np.inf)
-            act_mem[:, :, k, q] = np.where(valid, stash / (dp * tp), np.inf)
+            for i in range(n_layers):
+                for j in range(i, n_layers):
+                    fixed, per_flight = stage_memory(
+                        profile, i, j + 1, dp=dp, tp=tp, num_microbatches=num_microbatches,
+                        batch_scale=batch_scale,
+                    )
+                    param_mem[i, j, k, q] = fixed
+                    act_mem[i, j, k, q] = per_flight
     return StageCosts(
         latency=latency,
         param_memory=param_mem,

@@ -29,7 +29,9 @@ class LayerProfile:
     param_bytes: np.ndarray
     """Bytes of the parameters each layer reads first."""
     stash_bytes: np.ndarray
-    """Bytes each layer's forward keeps for its backward."""
+    """Bytes each layer's forward keeps for its backward, of values split over the batch."""
+    stash_replicated_bytes: np.ndarray
+    """Bytes each layer's forward keeps for its backward, of values not split over the batch."""
     boundary_bytes: np.ndarray
     """Bytes live across the cut after each layer (0 after the last)."""
     num_ops: np.ndarray
@@ -38,6 +40,12 @@ class LayerProfile:
     """Bytes of other state (optimizer moments, ...) per byte of parameters."""
     dtype: str
     """Dtype most heavy FLOPs compute in (selects the device's peak FLOP/s)."""
+    backward_peak_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """Largest value each layer's backward makes (per microbatch) if split over the batch."""
+    backward_peak_replicated_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """Largest value each layer's backward makes (per microbatch) that is not split."""
+    batch_bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """Bytes of batch inputs each layer reads first, per microbatch."""
     param_layer: dict[Any, int] = dataclasses.field(default_factory=dict)
     """For each step input var that is a differentiated parameter: the layer that reads it first."""
 
@@ -69,7 +77,18 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     first_reader: dict[Any, int] = {}
     diff = set(rj.invars[len(rj.invars) - info.num_grads :])
     flops_by_dtype: dict[str, float] = {}
+    rows = step.arg_vars[batch_leaf_ids[0]].aval.shape[0] if batch_leaf_ids else 0
+    backward_peak = np.zeros(num_layers)
+    backward_peak_rep = np.zeros(num_layers)
     for eqn, (layer, pass_) in zip(rj.eqns, where, strict=True):
+        if pass_ == "B":
+            for v in eqn.outvars:
+                if compat.is_dropvar(v):
+                    continue
+                if cost.splits_over_batch(v.aval, rows):
+                    backward_peak[layer] = max(backward_peak[layer], cost.aval_bytes(v.aval))
+                else:
+                    backward_peak_rep[layer] = max(backward_peak_rep[layer], cost.aval_bytes(v.aval))
         by_dtype = cost.eqn_flops_by_dtype(eqn)
         for dtype, x in by_dtype.items():
             flops_by_dtype[dtype] = flops_by_dtype.get(dtype, 0.0) + x
@@ -95,12 +114,24 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     for v, layer in first_reader.items():
         params[layer] += cost.aval_bytes(v.aval)
     outer = dict(zip([*rj.constvars, *rj.invars], step.jaxpr.eqns[at].invars, strict=True))
+    batch_vars = {step.arg_vars[i] for i in batch_leaf_ids}
+    batch_layer: dict[Any, int] = {}
+    for eqn, (layer, _) in zip(rj.eqns, where, strict=True):
+        for a in eqn.invars:
+            if not compat.is_literal(a) and a in outer and outer[a] in batch_vars:
+                batch_layer.setdefault(a, layer)
+    batch_bytes = np.zeros(num_layers)
+    for v, layer in batch_layer.items():
+        batch_bytes[layer] += cost.aval_bytes(v.aval)
     param_layer = {outer[v]: layer for v, layer in first_reader.items() if not compat.is_literal(outer[v])}
     stash = np.zeros(num_layers)
+    stash_rep = np.zeros(num_layers)
     for v, layer in stash_vars.items():
-        stash[layer] += cost.aval_bytes(v.aval)
-    batch = {step.arg_vars[i] for i in batch_leaf_ids}
-    state = sum(cost.aval_bytes(v.aval) for v in step.arg_vars if v not in batch)
+        if cost.splits_over_batch(v.aval, rows):
+            stash[layer] += cost.aval_bytes(v.aval)
+        else:
+            stash_rep[layer] += cost.aval_bytes(v.aval)
+    state = sum(cost.aval_bytes(v.aval) for v in step.arg_vars if v not in batch_vars)
     total_params = float(params.sum())
     ratio = max(state / total_params - 1.0, 0.0) if total_params else 0.0
     return LayerProfile(
@@ -108,9 +139,13 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
         backward_flops=bwd,
         param_bytes=params,
         stash_bytes=stash,
+        stash_replicated_bytes=stash_rep,
         boundary_bytes=boundary,
         num_ops=ops,
         state_per_param=ratio,
         dtype=max(flops_by_dtype, key=flops_by_dtype.get) if flops_by_dtype else "float32",
+        backward_peak_bytes=backward_peak,
+        backward_peak_replicated_bytes=backward_peak_rep,
+        batch_bytes=batch_bytes,
         param_layer=param_layer,
     )

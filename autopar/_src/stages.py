@@ -252,7 +252,8 @@ def _no_plan_error(prob: _Problem) -> NoFeasiblePlanError:
     params, acts = prob.param_memory[layer, layer, k, q], prob.activation_memory[layer, layer, k, q]
     breakdown = (
         f"alone on submesh {prob.submesh_names[k]} with logical mesh {prob.logical_names[k][q]} it needs "
-        f"{_fmt_bytes(params)} of parameters/gradients/optimizer state + {_fmt_bytes(acts)} of activations x "
+        f"{_fmt_bytes(params)} of parameters/gradients/optimizer state/temporaries + {_fmt_bytes(acts)} "
+        "of activations x "
         f"{in_flight} in-flight microbatch(es) = {_fmt_bytes(best[layer])} per device, against a budget of "
         f"{budget} per device"
     )

@@ -1,0 +1,106 @@
+"""Per-device memory of a stage: what the compiled program really holds, and what
+the planner's model predicts.
+
+The ground truth follows the runtime exactly. The driver's instruction list is
+static, so the buffers alive on a stage's devices at each instruction are known:
+inputs placed at the start, values made by the stage's tasks or received from
+other stages, each until its last use. While a task runs, its compiled
+executable's ``memory_analysis()`` adds its temporaries, and its donated inputs
+turn into outputs (aliased bytes are not counted twice). The peak over the step
+is the stage's per-device memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from autopar._src import cost
+from autopar._src.driver import Executable
+from autopar._src.partition import Key, Run, Transfer
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryTrace:
+    """The compiled program's per-device memory on one stage."""
+
+    peak: float
+    """Largest bytes alive on one device of the stage during a step."""
+    at_task: str
+    """Label of the task running at the peak."""
+    live: float
+    """Bytes of buffers alive at the peak outside the running task's temporaries."""
+    temporaries: float
+    """Temporary bytes of the running task's executable (XLA's buffer assignment)."""
+
+
+def device_bytes(exe: Executable, key: Key, stage: int) -> float:
+    """Bytes one device of ``stage`` holds of ``key`` under its sharding."""
+    sharding = exe.sharding(key, stage)
+    shape = sharding.shard_shape(tuple(key[0].aval.shape))
+    return float(cost.aval_bytes(key[0].aval.update(shape=shape)))
+
+
+def _temporaries(exe: Executable, task_index: int) -> float:
+    t = exe.program.tasks[task_index]
+    fn = exe.fns[task_index]
+    abstract = [jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, t.stage))
+                for k in t.in_keys]
+    return float(fn.lower(*abstract).compile().memory_analysis().temp_size_in_bytes)
+
+
+def compiled_peak(exe: Executable, stage: int) -> MemoryTrace:
+    """The per-device peak of ``stage`` over one step of the compiled program."""
+    program = exe.program
+    live: dict[Key, float] = {}
+    for key, stages in program.input_stages.items():
+        if stage in stages:
+            live[key] = device_bytes(exe, key, stage)
+    temps: dict[int, float] = {}
+    best = MemoryTrace(peak=sum(live.values()), at_task="(inputs)", live=sum(live.values()), temporaries=0.0)
+    for ins in program.instrs:
+        if isinstance(ins, Run) and program.tasks[ins.task].stage == stage:
+            t = program.tasks[ins.task]
+            if id(exe.fns[ins.task]) not in temps:
+                temps[id(exe.fns[ins.task])] = _temporaries(exe, ins.task)
+            for k in t.out_keys:
+                live[k] = device_bytes(exe, k, stage)
+            # Donated inputs already became outputs: drop them before measuring.
+            freed = {loc[0] for loc in ins.frees if loc[1] == stage}
+            donated = [k for k in t.in_keys if k in freed and _donated(exe, ins.task, k)]
+            now = sum(v for k, v in live.items() if k not in donated)
+            temp = temps[id(exe.fns[ins.task])]
+            if now + temp > best.peak:
+                best = MemoryTrace(peak=now + temp, at_task=t.label, live=now, temporaries=temp)
+        elif isinstance(ins, Transfer) and ins.dst == stage:
+            live[ins.key] = device_bytes(exe, ins.key, stage)
+        for key, where in ins.frees:
+            if where == stage:
+                live.pop(key, None)
+    return best
+
+
+def _donated(exe: Executable, task_index: int, key: Key) -> bool:
+    return exe.program.tasks[task_index].in_keys.index(key) in exe.donated[task_index]
+
+
+def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
+    """The planner's memory model for ``stage`` of ``exe``'s plan (see :func:`planner.stage_memory`)."""
+    from autopar._src import planner
+
+    plan = exe.plan
+    st = plan.stages[stage]
+    dp = st.mesh_shape[st.axis_names.index("data")]
+    tp = len(st.device_ids) // dp
+    fixed, per_flight = planner.stage_memory(
+        profile, st.layers[0], st.layers[1], dp=dp, tp=tp, num_microbatches=plan.num_microbatches
+    )
+    if plan.num_microbatches == 1:
+        in_flight = 1
+    elif plan.schedule == "gpipe":
+        in_flight = plan.num_microbatches
+    else:
+        in_flight = min(plan.num_stages - stage, plan.num_microbatches)
+    return fixed + in_flight * per_flight

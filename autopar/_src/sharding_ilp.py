@@ -1,0 +1,583 @@
+"""The intra-operator sharding ILP: one sharding strategy per op, least total time.
+
+Alpa's intra-op pass as pure functions over cost arrays (no devices, no JAX). Every
+node is an op with a few candidate strategies (batch split, column split, replicate,
+...); every edge carries the resharding cost from the producer's output layout to the
+layout the consumer's strategy needs. :func:`solve` picks one strategy per node to
+minimise
+
+    sum_v (compute + communication)[choice_v] + sum_(u, v) cost_uv[choice_u, choice_v]
+
+subject to an optional per-device memory budget, as a MILP for HiGHS through
+:func:`scipy.optimize.milp`. :func:`merge_forced` shrinks a problem before solving it;
+:func:`resharding_cost` and the collective costs price the edges on a mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import numpy as np
+import scipy.sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+SolveStatus = Literal["optimal", "time_limit", "fallback"]
+Spec = tuple[str | None, ...]
+"""A PartitionSpec as a tuple: per tensor dim, the mesh axis it is split over, or None."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Strategy:
+    """One way to shard one op, with what it costs."""
+
+    name: str
+    """Short label, e.g. ``"column"`` or ``"replicate"``."""
+    compute_cost: float
+    """Seconds of computation per device under this strategy."""
+    communication_cost: float
+    """Seconds of the collectives this strategy issues itself (e.g. the all-reduce after a row split)."""
+    memory_bytes: float
+    """Bytes per device this node keeps: its share of parameters, optimizer state and outputs."""
+    output_specs: tuple[Spec, ...] = ()
+    """Per output, the mesh axis (or None) of each tensor dim."""
+    input_specs: tuple[Spec, ...] = ()
+    """Per input, the mesh axis (or None) of each tensor dim that this strategy needs."""
+
+    def __post_init__(self) -> None:
+        for field in ("compute_cost", "communication_cost", "memory_bytes"):
+            value = getattr(self, field)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"Strategy {self.name!r}: {field}={value} must be finite and >= 0")
+
+    @property
+    def cost(self) -> float:
+        """Compute plus communication seconds."""
+        return self.compute_cost + self.communication_cost
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Node:
+    """An op (or a group of ops merged by :func:`merge_forced`) and its candidate strategies."""
+
+    name: str
+    """Label used in messages, e.g. the equation's primitive and output."""
+    strategies: tuple[Strategy, ...]
+    """The candidates; a solution picks exactly one."""
+
+    def __post_init__(self) -> None:
+        if not self.strategies:
+            raise ValueError(f"Node {self.name!r} has no strategies; give it at least one")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Edge:
+    """A value flowing from node ``src`` to node ``dst`` and what resharding it costs."""
+
+    src: int
+    """Index of the producing node."""
+    dst: int
+    """Index of the consuming node."""
+    cost: np.ndarray
+    """Seconds, shape (src strategies, dst strategies); ``np.inf`` marks a pair that is not allowed."""
+
+    def __post_init__(self) -> None:
+        cost = np.array(self.cost, dtype=float)
+        if self.src < 0 or self.dst < 0 or self.src == self.dst:
+            raise ValueError(f"Edge needs distinct node indices >= 0, got src={self.src}, dst={self.dst}")
+        if cost.ndim != 2:
+            raise ValueError(f"Edge {self.src}->{self.dst}: cost must be 2-D, got shape {cost.shape}")
+        if np.isnan(cost).any() or (cost < 0).any():
+            bad = cost[np.isnan(cost) | (cost < 0)][:3]
+            raise ValueError(f"Edge {self.src}->{self.dst}: costs must be seconds >= 0 or inf, got {bad}")
+        cost.setflags(write=False)
+        object.__setattr__(self, "cost", cost)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingSolution:
+    """One strategy per node and what the choice costs."""
+
+    choices: tuple[int, ...]
+    """Index of the chosen strategy of each node."""
+    objective: float
+    """Total seconds: node costs plus resharding costs of the choices."""
+    status: SolveStatus
+    """``optimal``: proven optimal; ``time_limit``: time ran out, the better of the solver's best
+    and :func:`greedy`; ``fallback``: the solver gave nothing, the choices come from :func:`greedy`."""
+    solve_seconds: float
+    """Wall-clock seconds spent in :func:`solve`."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReductionMapping:
+    """How the nodes of a problem reduced by :func:`merge_forced` stand for the original ones."""
+
+    num_nodes: int
+    """Number of nodes of the original problem."""
+    members: tuple[tuple[int, ...], ...]
+    """Per reduced node, the original nodes it stands for."""
+    choices: tuple[tuple[tuple[int, ...], ...], ...]
+    """Per reduced node and per its strategy, the original strategy of each member."""
+
+
+def _check_problem(nodes: Sequence[Node], edges: Sequence[Edge]) -> None:
+    for k, edge in enumerate(edges):
+        if max(edge.src, edge.dst) >= len(nodes):
+            raise ValueError(f"edges[{k}] joins {edge.src}->{edge.dst} but there are {len(nodes)} nodes")
+        want = (len(nodes[edge.src].strategies), len(nodes[edge.dst].strategies))
+        if edge.cost.shape != want:
+            raise ValueError(
+                f"edges[{k}] ({edge.src}->{edge.dst}) has cost shape {edge.cost.shape}, want {want}"
+            )
+
+
+def total_cost(nodes: Sequence[Node], edges: Sequence[Edge], choices: Sequence[int]) -> float:
+    """Objective of a choice vector: node costs plus edge costs (inf if a pair is not allowed)."""
+    node_part = sum(node.strategies[c].cost for node, c in zip(nodes, choices, strict=True))
+    return node_part + sum(float(e.cost[choices[e.src], choices[e.dst]]) for e in edges)
+
+
+def total_memory(nodes: Sequence[Node], choices: Sequence[int]) -> float:
+    """Bytes per device of a choice vector."""
+    return sum(node.strategies[c].memory_bytes for node, c in zip(nodes, choices, strict=True))
+
+
+def _fits(nodes: Sequence[Node], memory_budget: float | None, choices: Sequence[int]) -> bool:
+    return memory_budget is None or total_memory(nodes, choices) <= memory_budget
+
+
+def brute_force(
+    nodes: Sequence[Node], edges: Sequence[Edge], memory_budget: float | None = None
+) -> ShardingSolution:
+    """Best choice vector by enumerating all of them; for tests on tiny problems.
+
+    Raises:
+      ValueError: if no choice vector has finite cost within the memory budget.
+    """
+    _check_problem(nodes, edges)
+    start = time.perf_counter()
+    every = itertools.product(*(range(len(n.strategies)) for n in nodes))
+    scored = ((total_cost(nodes, edges, c), c) for c in every if _fits(nodes, memory_budget, c))
+    best = min(((cost, c) for cost, c in scored if math.isfinite(cost)), default=None)
+    if best is None:
+        raise ValueError(f"no choice vector has finite cost within memory_budget={memory_budget}")
+    return ShardingSolution(
+        choices=best[1], objective=best[0], status="optimal", solve_seconds=time.perf_counter() - start
+    )
+
+
+def greedy(
+    nodes: Sequence[Node], edges: Sequence[Edge], *, memory_budget: float | None = None
+) -> tuple[int, ...]:
+    """Each node, in index order, takes its cheapest strategy given the nodes chosen before it.
+
+    Cheapest counts the node's own cost plus the resharding costs to already-chosen neighbours.
+    Candidates are, by preference: strategies with finite cost that keep the budget reachable
+    (the memory so far, this strategy and every later node at its smallest strategy fit), then
+    those that keep it reachable, then all; ties go to the lower index. The result may still
+    cost inf or exceed the budget; :func:`solve` checks it.
+    """
+    _check_problem(nodes, edges)
+    incident: list[list[tuple[int, np.ndarray]]] = [[] for _ in nodes]
+    for e in edges:
+        incident[e.dst].append((e.src, e.cost.T))  # rows: this node's strategies
+        incident[e.src].append((e.dst, e.cost))
+    least = np.array([min(s.memory_bytes for s in n.strategies) for n in nodes])
+    later_least = least.sum() - np.cumsum(least)  # every node after v on its smallest strategy
+    choices: list[int] = []
+    used = 0.0
+    for v, node in enumerate(nodes):
+        cost = np.array([s.cost for s in node.strategies])
+        for u, matrix in incident[v]:
+            if u < v:
+                cost = cost + matrix[:, choices[u]]
+        memory = np.array([s.memory_bytes for s in node.strategies])
+        fits = used + memory + later_least[v] <= (np.inf if memory_budget is None else memory_budget)
+        masks = (fits & np.isfinite(cost), fits, np.ones(len(cost), bool))
+        candidates = np.flatnonzero(next(m for m in masks if m.any()))
+        choices.append(int(candidates[np.argmin(cost[candidates])]))
+        used += memory[choices[-1]]
+    return tuple(choices)
+
+
+def _solve_milp(
+    nodes: Sequence[Node], edges: Sequence[Edge], memory_budget: float | None, time_limit: float
+) -> tuple[tuple[int, ...] | None, SolveStatus]:
+    """Solve the MILP; ``None`` choices when HiGHS returns no usable solution."""
+    sizes = np.array([len(n.strategies) for n in nodes])
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    costs = [np.array([s.cost for n in nodes for s in n.strategies])]
+    memory = np.array([s.memory_bytes for n in nodes for s in n.strategies])
+    # Equality rows: one strategy per node, then per edge the marginals of e_uv equal s_u and s_v.
+    rows = [np.repeat(np.arange(len(nodes)), sizes)]
+    cols = [np.arange(offsets[-1])]
+    vals = [np.ones(offsets[-1])]
+    num_rows, num_cols = len(nodes), int(offsets[-1])
+    for e in edges:
+        if not e.cost.any():  # all zeros: no term in the objective, no variables needed
+            continue
+        ii, jj = np.nonzero(np.isfinite(e.cost))  # infinite pairs get no variable, so they are 0
+        ku, kv = e.cost.shape
+        ids = num_cols + np.arange(len(ii))
+        costs.append(e.cost[ii, jj])
+        rows += [num_rows + ii, num_rows + ku + jj, num_rows + np.arange(ku + kv)]
+        cols += [ids, ids, np.concatenate([offsets[e.src] + np.arange(ku), offsets[e.dst] + np.arange(kv)])]
+        vals += [np.ones(len(ii)), np.ones(len(ii)), -np.ones(ku + kv)]
+        num_rows, num_cols = num_rows + ku + kv, num_cols + len(ii)
+    matrix = scipy.sparse.csr_array(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(num_rows, num_cols)
+    )
+    rhs = np.zeros(num_rows)
+    rhs[: len(nodes)] = 1.0
+    constraints = [LinearConstraint(matrix, rhs, rhs)]
+    upper = np.ones(num_cols)
+    if memory_budget is not None:
+        upper[: len(memory)] = memory <= memory_budget
+        if memory_budget > 0:  # scaled so HiGHS's absolute feasibility tolerance means a relative one
+            row = scipy.sparse.csr_array(np.concatenate([memory, np.zeros(num_cols - len(memory))])[None])
+            constraints.append(LinearConstraint(row / memory_budget, -np.inf, 1.0))
+    objective = np.concatenate(costs)
+    # HiGHS stops at an absolute gap of 1e-6; costs in seconds are often far smaller, so scale them up.
+    scale = np.abs(objective).max(initial=0.0)
+    result = milp(
+        objective / scale if scale > 0 else objective,
+        integrality=np.ones(num_cols),
+        bounds=Bounds(np.zeros(num_cols), upper),
+        constraints=constraints,
+        options={"time_limit": time_limit, "mip_rel_gap": 1e-9},
+    )
+    if result.x is None:
+        return None, "fallback"
+    choices = tuple(int(np.argmax(result.x[offsets[v] : offsets[v + 1]])) for v in range(len(nodes)))
+    # Rounding within the solver's tolerances can break a constraint; never return such a choice.
+    if not (math.isfinite(total_cost(nodes, edges, choices)) and _fits(nodes, memory_budget, choices)):
+        return None, "fallback"
+    return choices, "optimal" if result.status == 0 else "time_limit"
+
+
+def _raise_unless_feasible(
+    nodes: Sequence[Node], edges: Sequence[Edge], choices: Sequence[int], memory_budget: float | None
+) -> None:
+    if not _fits(nodes, memory_budget, choices):
+        least = [min(s.memory_bytes for s in n.strategies) for n in nodes]
+        top = ", ".join(f"{nodes[v].name!r} ({least[v]:.4g} B)" for v in np.argsort(least)[::-1][:3])
+        raise ValueError(
+            f"no sharding fits memory_budget={memory_budget:.4g} bytes per device; the minimum achievable is "
+            f"at least {sum(least):.4g} bytes (every node on its smallest strategy). Largest nodes: {top}. "
+            "Raise the budget, use more devices or add strategies that shard more."
+        )
+    bad = [(e.src, e.dst) for e in edges if not np.isfinite(e.cost[choices[e.src], choices[e.dst]])]
+    if bad:
+        raise ValueError(
+            f"no sharding found that avoids the disallowed (infinite-cost) resharding pairs; the greedy "
+            f"fallback meets them on edges {bad[:5]}. Allow those pairs or give the nodes compatible "
+            "strategies."
+        )
+
+
+def solve(
+    nodes: Sequence[Node],
+    edges: Sequence[Edge],
+    *,
+    memory_budget: float | None = None,
+    time_limit: float = 30.0,
+) -> ShardingSolution:
+    """Choose one strategy per node minimising total seconds, within a per-device memory budget.
+
+    Binary ``s[v, i]`` picks strategy ``i`` of node ``v``; binary ``e[uv, i, j]`` stands for the
+    product ``s[u, i] * s[v, j]`` through ``sum_j e[i, j] = s[u, i]`` and ``sum_i e[i, j] = s[v, j]``.
+    Pairs of infinite cost get no ``e`` (so they cannot be chosen); edges that cost zero
+    everywhere get none at all. If time runs out, the better of HiGHS's best solution and
+    :func:`greedy`'s comes back as ``time_limit``; if HiGHS has none (out of time, or no
+    choice fits), :func:`greedy`'s comes back as ``fallback``, provided it is feasible.
+
+    Example:
+      >>> a = Node(name="a", strategies=(Strategy(name="r", compute_cost=1, communication_cost=0,
+      ...     memory_bytes=0), Strategy(name="c", compute_cost=2, communication_cost=0, memory_bytes=0)))
+      >>> solve([a, a], [Edge(src=0, dst=1, cost=np.array([[9.0, 9], [0, 0]]))]).choices
+      (1, 0)
+
+    Raises:
+      ValueError: if HiGHS gives no solution and the greedy one breaks the memory budget
+        (the message names the budget, the least memory possible and the largest nodes) or
+        meets a pair that is not allowed.
+    """
+    _check_problem(nodes, edges)
+    if memory_budget is not None and not memory_budget >= 0:
+        raise ValueError(f"memory_budget={memory_budget} must be >= 0 bytes or None")
+    if not time_limit > 0:
+        raise ValueError(f"time_limit={time_limit} must be > 0 seconds")
+    start = time.perf_counter()
+    choices, status = _solve_milp(nodes, edges, memory_budget, time_limit) if nodes else ((), "optimal")
+    if choices is None:
+        choices = greedy(nodes, edges, memory_budget=memory_budget)
+        _raise_unless_feasible(nodes, edges, choices, memory_budget)
+    elif status == "time_limit":
+        fallback = greedy(nodes, edges, memory_budget=memory_budget)
+        cheaper = total_cost(nodes, edges, fallback) < total_cost(nodes, edges, choices)
+        if cheaper and _fits(nodes, memory_budget, fallback):
+            choices = fallback  # cut short, HiGHS may hold an incumbent worse than the greedy
+    return ShardingSolution(
+        choices=tuple(choices),
+        objective=total_cost(nodes, edges, choices),
+        status=status,
+        solve_seconds=time.perf_counter() - start,
+    )
+
+
+class _Reducer:
+    """The working state of one :func:`merge_forced` call."""
+
+    def __init__(self, nodes: Sequence[Node], edges: Sequence[Edge]) -> None:
+        self.nodes = nodes
+        self.members = {v: [v] for v in range(len(nodes))}
+        # Per group and strategy: the original strategy of each member, and compute, communication, memory.
+        self.table = {v: np.arange(len(n.strategies))[:, None] for v, n in enumerate(nodes)}
+        self.values = {
+            v: np.array([[s.compute_cost, s.communication_cost, s.memory_bytes] for s in n.strategies], float)
+            for v, n in enumerate(nodes)
+        }
+        self.adjacent: dict[int, set[int]] = {v: set() for v in self.members}
+        self.edges: dict[tuple[int, int], np.ndarray] = {}  # key (a, b) with a < b; rows are a's strategies
+        # Pairs whose edge may reduce; (g, g) asks whether group g is an isolated single strategy.
+        self.work = [(v, v) for v in reversed(self.members)]
+        for e in edges:
+            self.add_edge(e.src, e.dst, e.cost)
+
+    def edge(self, a: int, b: int) -> np.ndarray:
+        return self.edges[(a, b)] if a < b else self.edges[(b, a)].T
+
+    def add_edge(self, a: int, b: int, cost: np.ndarray) -> None:
+        key, cost = ((a, b), cost) if a < b else ((b, a), cost.T)
+        self.edges[key] = self.edges[key] + cost if key in self.edges else np.array(cost)
+        self.adjacent[a].add(b)
+        self.adjacent[b].add(a)
+        self.work.append(key)
+
+    def pop_edge(self, a: int, b: int) -> np.ndarray:
+        cost = self.edge(a, b)
+        del self.edges[(min(a, b), max(a, b))]
+        self.adjacent[a].discard(b)
+        self.adjacent[b].discard(a)
+        self.work += [(a, a), (b, b)]
+        return cost
+
+    def restrict(self, g: int, keep: np.ndarray) -> None:
+        """Drop the strategies of group ``g`` that ``keep`` rules out."""
+        if keep.all():
+            return
+        if not keep.any():
+            names = [self.nodes[m].name for m in self.members[g]]
+            raise ValueError(f"every strategy of node(s) {names} meets an infinite resharding cost")
+        self.table[g], self.values[g] = self.table[g][keep], self.values[g][keep]
+        for w in self.adjacent[g]:
+            key = (min(g, w), max(g, w))
+            self.edges[key] = self.edges[key][keep] if g < w else self.edges[key][:, keep]
+            self.work.append(key)
+        self.work.append((g, g))
+
+    def add_communication(self, g: int, cost: np.ndarray) -> None:
+        self.values[g][:, 1] += cost
+        self.restrict(g, np.isfinite(self.values[g][:, 1]))
+
+    def absorb(self, keep: int, drop: int, follow: np.ndarray) -> None:
+        """Merge group ``drop`` into ``keep``; ``follow[j]`` is drop's strategy when keep picks ``j``."""
+        self.members[keep] += self.members.pop(drop)
+        self.table[keep] = np.hstack([self.table[keep], self.table.pop(drop)[follow]])
+        self.values[keep] = self.values[keep] + self.values.pop(drop)[follow]
+        between = np.zeros(len(follow))
+        for w in sorted(self.adjacent[drop]):
+            cost = self.pop_edge(drop, w)[follow]
+            if w == keep:
+                between += np.diagonal(cost)
+            else:
+                self.add_edge(keep, w, cost)
+        del self.adjacent[drop]
+        self.add_communication(keep, between)
+
+    def reduce_edge(self, a: int, b: int) -> None:
+        finite = np.isfinite(self.edges[(a, b)])
+        self.restrict(a, finite.any(axis=1))
+        self.restrict(b, finite.any(axis=0))
+        cost = self.edges[(a, b)]
+        finite = np.isfinite(cost)
+        if (cost == cost[:1]).all():  # depends on b's choice only (always so when a has one strategy)
+            self.add_communication(b, self.pop_edge(a, b)[0])
+        elif (cost == cost[:, :1]).all():
+            self.add_communication(a, self.pop_edge(a, b)[:, 0])
+        elif (finite.sum(axis=1) == 1).all():  # a's choice fixes b's: b follows a
+            self.absorb(a, b, np.argmax(finite, axis=1))
+        elif (finite.sum(axis=0) == 1).all():
+            self.absorb(b, a, np.argmax(finite, axis=0))
+
+    def run(self) -> None:
+        while self.work:
+            a, b = self.work.pop()
+            if a != b and (a, b) in self.edges:
+                self.reduce_edge(a, b)
+            elif a == b and a in self.members and len(self.members) > 1:
+                if len(self.table[a]) == 1 and not self.adjacent[a]:
+                    other = next(v for v in self.members if v != a)  # the lowest index: dicts keep order
+                    self.absorb(other, a, np.zeros(len(self.table[other]), int))
+
+
+def merge_forced(
+    nodes: Sequence[Node], edges: Sequence[Edge]
+) -> tuple[tuple[Node, ...], tuple[Edge, ...], ReductionMapping]:
+    """Shrink a problem without changing its optimum; :func:`expand` maps solutions back.
+
+    Applied until nothing changes:
+
+    1. Parallel edges (either direction) between two nodes are summed into one.
+    2. A strategy that meets only infinite costs on some edge is dropped.
+    3. An edge whose cost depends on one endpoint's choice only (every edge at a
+       single-strategy node is such) is folded into that endpoint's communication cost;
+       strategies that become infinite are dropped. An all-zero edge is simply removed.
+    4. An edge on which one endpoint's choice fixes the other's (every strategy of the first
+       has exactly one finite-cost partner; e.g. an elementwise op forced to follow its
+       operand: 0 on a one-to-one pairing, inf elsewhere) merges the follower into the
+       leader, the lower index leading when both qualify. The merged node keeps the leader's
+       strategies, each with the compute, communication and memory of its follower's
+       partner and the edge's cost added; the follower's other edges move to the leader.
+    5. A single-strategy node left without edges is absorbed by the lowest-index other node
+       (its costs and memory are added to every strategy there), unless it is the last node.
+
+    Every reduced choice vector has the cost and memory of its expansion, and every
+    original choice vector of finite cost is the expansion of one, so the optimum and a
+    memory budget carry over unchanged. A merged node is named by its members' names in
+    index order joined with ``+``; its strategies keep the names and specs of the leader's.
+
+    Raises:
+      ValueError: if some node has no strategy of finite cost left (the problem is infeasible).
+    """
+    _check_problem(nodes, edges)
+    reducer = _Reducer(nodes, edges)
+    reducer.run()
+    order = sorted(reducer.members)
+    reduced = []
+    for g in order:
+        first, table, values = nodes[reducer.members[g][0]], reducer.table[g], reducer.values[g].tolist()
+        strategies = tuple(
+            dataclasses.replace(first.strategies[i], compute_cost=c, communication_cost=t, memory_bytes=m)
+            for i, (c, t, m) in zip(table[:, 0], values, strict=True)
+        )
+        reduced.append(
+            Node(name="+".join(nodes[m].name for m in sorted(reducer.members[g])), strategies=strategies)
+        )
+    index = {g: k for k, g in enumerate(order)}
+    reduced_edges = tuple(
+        Edge(src=index[a], dst=index[b], cost=c) for (a, b), c in sorted(reducer.edges.items())
+    )
+    mapping = ReductionMapping(
+        num_nodes=len(nodes),
+        members=tuple(tuple(reducer.members[g]) for g in order),
+        choices=tuple(tuple(tuple(row) for row in reducer.table[g].tolist()) for g in order),
+    )
+    return tuple(reduced), reduced_edges, mapping
+
+
+def expand(solution: ShardingSolution, mapping: ReductionMapping) -> ShardingSolution:
+    """A solution of a problem reduced by :func:`merge_forced`, as choices of the original nodes."""
+    if len(solution.choices) != len(mapping.members):
+        raise ValueError(
+            f"solution has {len(solution.choices)} choices; the reduced problem {len(mapping.members)}"
+        )
+    choices = [0] * mapping.num_nodes
+    for r, j in enumerate(solution.choices):
+        for member, choice in zip(mapping.members[r], mapping.choices[r][j], strict=True):
+            choices[member] = choice
+    return dataclasses.replace(solution, choices=tuple(choices))
+
+
+def _ring(num_bytes: float, num_devices: int, bandwidth: float, latency: float, steps: int) -> float:
+    if num_devices < 1 or num_bytes < 0 or not bandwidth > 0 or latency < 0:
+        raise ValueError(
+            f"need num_devices >= 1, num_bytes >= 0, bandwidth > 0 and latency >= 0; got num_devices="
+            f"{num_devices}, num_bytes={num_bytes}, bandwidth={bandwidth}, latency={latency}"
+        )
+    n = num_devices
+    return steps * ((n - 1) / n * num_bytes / bandwidth + (n - 1) * latency)
+
+
+def all_gather_cost(num_bytes: float, num_devices: int, *, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring all-gather; ``num_bytes`` is the gathered buffer each device ends with."""
+    return _ring(num_bytes, num_devices, bandwidth, latency, 1)
+
+
+def reduce_scatter_cost(num_bytes: float, num_devices: int, *, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring reduce-scatter; ``num_bytes`` is the full buffer each device starts with."""
+    return _ring(num_bytes, num_devices, bandwidth, latency, 1)
+
+
+def all_reduce_cost(num_bytes: float, num_devices: int, *, bandwidth: float, latency: float) -> float:
+    """Seconds of a ring all-reduce (reduce-scatter then all-gather) of ``num_bytes`` per device."""
+    return _ring(num_bytes, num_devices, bandwidth, latency, 2)
+
+
+def all_to_all_cost(num_bytes: float, num_devices: int, *, bandwidth: float, latency: float) -> float:
+    """Seconds of an all-to-all; ``num_bytes`` is each device's buffer (the same size before and after)."""
+    return _ring(num_bytes, num_devices, bandwidth, latency, 1)
+
+
+def _axis_dims(
+    spec: Sequence[str | None], shape: tuple[int, ...], mesh_axes: Mapping[str, int], what: str
+) -> dict[str, int]:
+    if len(spec) > len(shape):
+        raise ValueError(f"{what}={tuple(spec)} has more entries than the array has dims (shape {shape})")
+    named = [(axis, dim) for dim, axis in enumerate(spec) if axis is not None]
+    unknown = [axis for axis, _ in named if axis not in mesh_axes]
+    if unknown or len({axis for axis, _ in named}) < len(named):
+        raise ValueError(f"{what}={tuple(spec)} must name distinct axes of the mesh {dict(mesh_axes)}")
+    return dict(named)
+
+
+def resharding_cost(
+    src_spec: Sequence[str | None],
+    dst_spec: Sequence[str | None],
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh_axes: Mapping[str, int],
+    bandwidth: Mapping[str, float],
+    latency: Mapping[str, float],
+) -> float:
+    """Seconds to turn an array sharded as ``src_spec`` into one sharded as ``dst_spec``.
+
+    Specs name at most one mesh axis per dim (missing trailing dims are replicated). In the
+    order of the dims they hold in ``src_spec``: an axis that ``dst_spec`` lacks is
+    all-gathered; then an axis that moves to another dim is moved with an all-to-all, or,
+    if that dim is still split over another axis, all-gathered (and sliced again below).
+    An axis that only ``dst_spec`` has is a local slice, free. The collectives are priced
+    with the per-axis ``bandwidth`` (bytes/s) and ``latency`` (s) by the ring formulas of
+    :func:`all_gather_cost` and :func:`all_to_all_cost`, on the per-device buffer at that point
+    (for an all-gather, the gathered one).
+
+    Example:
+      >>> resharding_cost(("x", None), (None, None), (4, 4), 4, {"x": 2}, {"x": 1e9}, {"x": 0.0})
+      3.2e-08
+    """
+    src = _axis_dims(src_spec, shape, mesh_axes, "src_spec")
+    dst = _axis_dims(dst_spec, shape, mesh_axes, "dst_spec")
+    missing = sorted(set(src) - (set(bandwidth) & set(latency)))
+    if missing:
+        raise ValueError(
+            f"bandwidth and latency need an entry for every mesh axis of src_spec; missing {missing}"
+        )
+    per_device = math.prod(shape) * itemsize / math.prod(mesh_axes[axis] for axis in src)
+    layout = dict(src)
+    seconds = 0.0
+    order = sorted(src, key=src.__getitem__)
+    for axis in [a for a in order if a not in dst] + [a for a in order if a in dst and dst[a] != src[a]]:
+        n, link = mesh_axes[axis], {"bandwidth": bandwidth[axis], "latency": latency[axis]}
+        del layout[axis]
+        if axis in dst and dst[axis] not in layout.values():
+            seconds += all_to_all_cost(per_device, n, **link)
+            layout[axis] = dst[axis]
+        else:
+            per_device *= n
+            seconds += all_gather_cost(per_device, n, **link)
+    return seconds

@@ -1,0 +1,484 @@
+"""Candidate sharding strategies per jaxpr equation, and the strategy graph for the intra-op ILP.
+
+Alpa's intra-operator strategy generation over public ``jax.extend.core`` jaxprs. Each
+equation gets a few candidate layouts (batch split, Megatron column/row split, replicate,
+...) priced with an alpha-beta model per mesh axis; :func:`build_graph` turns a jaxpr into
+the :class:`~autopar._src.sharding_ilp.Node` / :class:`~autopar._src.sharding_ilp.Edge`
+problem that :func:`~autopar._src.sharding_ilp.solve` answers, and :func:`specs_of` reads
+the answer back as one spec per variable. A spec is a tuple with, per tensor dim, the mesh
+axis the dim is split over, or ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from autopar._src import compat, cost
+from autopar._src.layout_costs import (
+    Collective,
+    MeshSpec,
+    all_specs,
+    broadcast_spec,
+    candidate_specs,
+    collective_cost,
+    divides,
+    priced_strategy,
+    replicated_strategies,
+    shape_of,
+    share_bytes,
+    spec_name,
+    split_axes,
+)
+from autopar._src.sharding_ilp import Edge, Node, Spec, Strategy, resharding_cost
+
+ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
+    "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp conj "
+    "convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 "
+    "floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg "
+    "nextafter not or population_count pow real reduce_precision rem round rsqrt select_n "
+    "shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square "
+    "stop_gradient sub tan tanh xor".split()
+)
+"""Primitives whose output follows its operands dim by dim (size-1 dims broadcast)."""
+REDUCTION_PRIMITIVES: frozenset[str] = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin".split()
+)
+"""Primitives that reduce their operand over ``params["axes"]``."""
+DIM_MAP_PRIMITIVES: frozenset[str] = frozenset(
+    "reshape transpose broadcast_in_dim squeeze rev slice pad dynamic_slice "
+    "dynamic_update_slice cumsum cumprod cummax cummin cumlogsumexp".split()
+)
+"""Primitives that move, add or drop dims; a split survives where a dim maps through."""
+
+
+class _Piece(NamedTuple):
+    """One split of a multi-operand strategy: which dims go onto one mesh axis."""
+
+    in_dims: tuple[tuple[int, int], ...]
+    """``(operand index, dim)`` pairs split over the axis."""
+    out_dim: int | None
+    """Output dim split over the axis, if any."""
+    collective: Collective | None = None
+    """Collective over the axis that finishes partial results (``reducescatter`` splits ``out_dim``)."""
+
+
+def _from_pieces(
+    eqn: Any,
+    mesh: MeshSpec,
+    pieces: dict[str, _Piece],
+    plans: Sequence[tuple[tuple[str, str], ...]],
+    *,
+    flops: float = 0.0,
+    weight: int | None = None,
+) -> tuple[Strategy, ...]:
+    """One strategy per plan whose pieces exist, divide their dims and use distinct dims and axes."""
+    shapes = [shape_of(v) for v in eqn.invars]
+    out_shape = shape_of(eqn.outvars[0])
+    result = []
+    for plan in plans:
+        if any(p not in pieces for p, _ in plan) or len({a for _, a in plan}) < len(plan):
+            continue
+        ins = [[None] * len(s) for s in shapes]
+        out: list[str | None] = [None] * len(out_shape)
+        ok, collectives = True, []
+        for piece_name, axis in plan:
+            piece = pieces[piece_name]
+            for k, d in piece.in_dims:
+                ok = ok and ins[k][d] is None and divides(shapes[k], d, axis, mesh)
+                ins[k][d] = axis
+            if piece.out_dim is not None:
+                ok = ok and out[piece.out_dim] is None and divides(out_shape, piece.out_dim, axis, mesh)
+                out[piece.out_dim] = axis
+            if piece.collective is not None:
+                collectives.append((piece.collective, axis, piece.out_dim))
+        if not ok:
+            continue
+        comm = 0.0
+        for kind, axis, out_dim in collectives:
+            partial = tuple(None if d == out_dim else a for d, a in enumerate(out))
+            comm += collective_cost(kind, share_bytes(eqn.outvars[0], partial, mesh), axis, mesh)
+        name = "+".join(f"{p}[{a}]" for p, a in plan) or "replicated"
+        specs = [tuple(s) for s in ins]
+        result.append(
+            priced_strategy(name, eqn, mesh, specs, [tuple(out)], flops=flops, comm=comm, weight=weight)
+        )
+    return tuple(result)
+
+
+def _standard_plans(
+    mesh: MeshSpec, batch: str, model_pieces: Sequence[str]
+) -> list[tuple[tuple[str, str], ...]]:
+    """Replicated; ``batch`` over each axis; each model piece over the last axis; 2-D combinations."""
+    axes = split_axes(mesh)
+    plans: list[tuple[tuple[str, str], ...]] = [()]
+    plans += [((batch, a),) for a in axes]
+    if axes:
+        plans += [((p, axes[-1]),) for p in model_pieces]
+    if len(axes) >= 2:
+        plans += [((batch, axes[0]), (p, axes[-1])) for p in model_pieces if p != "row_reducescatter"]
+    return plans
+
+
+def _dot_general(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lrank, rrank = len(shape_of(eqn.invars[0])), len(shape_of(eqn.invars[1]))
+    out_rank = len(shape_of(eqn.outvars[0]))
+    lfree = [d for d in range(lrank) if d not in lc and d not in lb]
+    rfree = [d for d in range(rrank) if d not in rc and d not in rb]
+    pieces: dict[str, _Piece] = {}
+    if lb:  # batched matmul (e.g. attention): split the leading batch dim of both
+        pieces["batch"] = _Piece(((0, lb[0]), (1, rb[0])), 0)
+    elif lfree:  # data parallel: the leading non-contracting dim of lhs
+        pieces["batch"] = _Piece(((0, lfree[0]),), len(lb))
+    if len(lb) >= 2:
+        pieces["heads"] = _Piece(((0, lb[1]), (1, rb[1])), 1)
+    if rfree:  # Megatron column split: output's last dim, no communication
+        pieces["column"] = _Piece(((1, rfree[-1]),), out_rank - 1)
+    if lc:  # row split: partial sums, then all-reduce or reduce-scatter onto the batch dim
+        pieces["row_allreduce"] = _Piece(((0, lc[0]), (1, rc[0])), None, "allreduce")
+        rs_dim = pieces["batch"].out_dim if "batch" in pieces else out_rank - 1
+        if out_rank:
+            pieces["row_reducescatter"] = _Piece(((0, lc[0]), (1, rc[0])), rs_dim, "reducescatter")
+    plans = _standard_plans(mesh, "batch", ("heads", "column", "row_allreduce", "row_reducescatter"))
+    return _from_pieces(eqn, mesh, pieces, plans, flops=cost.eqn_flops(eqn), weight=1)
+
+
+def _conv(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    dn, p = eqn.params["dimension_numbers"], eqn.params
+    pieces: dict[str, _Piece] = {}
+    if p.get("batch_group_count", 1) == 1:
+        pieces["batch"] = _Piece(((0, dn.lhs_spec[0]),), dn.out_spec[0])
+        if p.get("feature_group_count", 1) == 1:
+            pieces["channel"] = _Piece(((1, dn.rhs_spec[0]),), dn.out_spec[1])
+    plans = _standard_plans(mesh, "batch", ("channel",))
+    return _from_pieces(eqn, mesh, pieces, plans, flops=cost.eqn_flops(eqn), weight=1)
+
+
+def _gather(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    dn, table_shape = eqn.params["dimension_numbers"], shape_of(eqn.invars[0])
+    out_rank, idx_rank = len(shape_of(eqn.outvars[0])), len(shape_of(eqn.invars[1]))
+    if dn.operand_batching_dims:
+        return replicated_strategies(eqn, mesh)
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    pieces: dict[str, _Piece] = {}
+    if idx_rank >= 2 and batch_out:  # indices' leading batch dim; the table stays whole
+        pieces["indices"] = _Piece(((1, 0),), batch_out[0])
+    if (
+        tuple(dn.collapsed_slice_dims) == (0,)
+        and tuple(dn.start_index_map) == (0,)
+        and tuple(eqn.params["slice_sizes"]) == (1, *table_shape[1:])
+        and len(table_shape) >= 2
+    ):  # embedding lookup: rows (vocab) split with masked lookup + all-reduce, or columns split
+        pieces["vocab"] = _Piece(((0, 0),), None, "allreduce")
+        pieces["embed"] = _Piece(((0, len(table_shape) - 1),), dn.offset_dims[-1])
+    plans = _standard_plans(mesh, "indices", ("vocab", "embed"))
+    return _from_pieces(eqn, mesh, pieces, plans, weight=0)
+
+
+def _scatter_add(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    dn = eqn.params["dimension_numbers"]
+    table_shape, upd_shape = shape_of(eqn.invars[0]), shape_of(eqn.invars[2])
+    upd_batch = [d for d in range(len(upd_shape)) if d not in dn.update_window_dims]
+    if not (
+        tuple(dn.inserted_window_dims) == (0,)
+        and tuple(dn.scatter_dims_to_operand_dims) == (0,)
+        and not dn.operand_batching_dims
+        and len(table_shape) >= 2
+        and upd_batch
+        and len(shape_of(eqn.invars[1])) >= 2
+    ):
+        return replicated_strategies(eqn, mesh)
+    batch = ((1, 0), (2, upd_batch[0]))
+    pieces = {  # the embedding gradient: updates split by batch, or the table by rows or columns
+        "batch_allreduce": _Piece(batch, None, "allreduce"),
+        "rows": _Piece(((0, 0),), 0),
+        "batch_reducescatter": _Piece(batch, 0, "reducescatter"),
+        "embed": _Piece(((0, len(table_shape) - 1), (2, dn.update_window_dims[-1])), len(table_shape) - 1),
+    }
+    plans = _standard_plans(mesh, "batch_allreduce", ("rows", "batch_reducescatter", "embed"))
+    return _from_pieces(eqn, mesh, pieces, plans)
+
+
+def _reshape_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
+    """Input dim -> output dim for the major non-trivial dim of each group of merged/split dims.
+
+    Splitting the major dim of a group in blocks is the same as splitting the merged dim in blocks.
+    """
+    mapping, i, j = {}, 0, 0
+    while i < len(in_shape) or j < len(out_shape):
+        gi, gj = [i], [j]
+        pi = in_shape[i] if i < len(in_shape) else 1
+        pj = out_shape[j] if j < len(out_shape) else 1
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj and i < len(in_shape):
+                pi, i = pi * in_shape[i], i + 1
+                gi.append(i - 1)
+            elif j < len(out_shape):
+                pj, j = pj * out_shape[j], j + 1
+                gj.append(j - 1)
+            else:
+                return mapping
+        majors_in = [d for d in gi if d < len(in_shape) and in_shape[d] > 1]
+        majors_out = [d for d in gj if d < len(out_shape) and out_shape[d] > 1]
+        if majors_in and majors_out:
+            mapping[majors_in[0]] = majors_out[0]
+    return mapping
+
+
+def _dim_map(eqn: Any) -> tuple[dict[int, int], frozenset[int]] | None:
+    """(input dim -> output dim where a split carries over, output dims free to split), or None."""
+    name, p = eqn.primitive.name, eqn.params
+    in_shape, out_shape = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
+    same = range(len(in_shape))
+    if name == "transpose":
+        return {d: j for j, d in enumerate(p["permutation"])}, frozenset()
+    if name == "reshape":
+        return None if p.get("dimensions") is not None else (_reshape_map(in_shape, out_shape), frozenset())
+    if name == "squeeze":
+        dims = {d % len(in_shape) for d in p["dimensions"]}
+        return {d: j for j, d in enumerate(x for x in same if x not in dims)}, frozenset()
+    if name == "broadcast_in_dim":
+        bd = p["broadcast_dimensions"]
+        mapping = {i: j for i, j in enumerate(bd) if in_shape[i] == out_shape[j]}
+        return mapping, frozenset(range(len(out_shape))) - frozenset(mapping.values())
+    if name in ("rev",):
+        return {d: d for d in same if d not in p["dimensions"]}, frozenset()
+    if name.startswith("cum"):
+        return {d: d for d in same if d != p["axis"] % len(in_shape)}, frozenset()
+    if name in ("slice", "dynamic_slice", "dynamic_update_slice", "pad"):
+        if name == "pad":
+            keep = [tuple(c) == (0, 0, 0) for c in p["padding_config"]]
+        else:  # dims the slice or update covers whole
+            other = out_shape if name != "dynamic_update_slice" else shape_of(eqn.invars[1])
+            keep = [in_shape[d] == other[d] for d in same]
+        return {d: d for d in same if keep[d]}, frozenset()
+    return None
+
+
+def _dim_map_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    mapped = _dim_map(eqn)
+    if mapped is None:
+        return replicated_strategies(eqn, mesh)
+    forward, free = mapped
+    backward = {j: i for i, j in forward.items()}
+    in_shape, out_shape = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
+    pairs: dict[Spec, Spec] = {}
+    for spec in candidate_specs(in_shape, mesh):
+        out: list[str | None] = [None] * len(out_shape)
+        kept = list(spec)
+        for d, a in enumerate(spec):
+            if a is not None and d in forward and divides(out_shape, forward[d], a, mesh):
+                out[forward[d]] = a
+            else:
+                kept[d] = None  # the split cannot be mapped: this strategy wants that dim whole
+        pairs.setdefault(tuple(out), tuple(kept))
+    for spec in candidate_specs(out_shape, mesh):
+        ins: list[str | None] = [None] * len(in_shape)
+        out = list(spec)
+        for j, a in enumerate(spec):
+            if a is not None and j in backward and divides(in_shape, backward[j], a, mesh):
+                ins[backward[j]] = a
+            elif j not in free:
+                out[j] = None
+        pairs.setdefault(tuple(out), tuple(ins))
+    result = []
+    for out_spec, in_spec in pairs.items():
+        others = [broadcast_spec(in_spec, in_shape, shape_of(v)) for v in eqn.invars[1:]]
+        result.append(priced_strategy(spec_name(out_spec), eqn, mesh, [in_spec, *others], [out_spec]))
+    axes, sliced = split_axes(mesh), [d for d in range(len(in_shape)) if d not in forward]
+    if (
+        eqn.primitive.name == "dynamic_slice"
+        and axes
+        and sliced
+        and divides(in_shape, sliced[0], axes[-1], mesh)
+    ):
+        # take-style lookup of rows of a row-split table: masked slice + all-reduce
+        axis, out_spec = axes[-1], (None,) * len(out_shape)
+        in_spec = tuple(axis if d == sliced[0] else None for d in range(len(in_shape)))
+        comm = collective_cost("allreduce", share_bytes(eqn.outvars[0], out_spec, mesh), axis, mesh)
+        specs = [in_spec] + [(None,) * len(shape_of(v)) for v in eqn.invars[1:]]
+        result.append(priced_strategy(f"vocab[{axis}]", eqn, mesh, specs, [out_spec], comm=comm, weight=0))
+    return tuple(result)
+
+
+def _elementwise(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    out_shape = shape_of(eqn.outvars[0])
+    return tuple(
+        priced_strategy(
+            spec_name(spec),
+            eqn,
+            mesh,
+            [broadcast_spec(spec, out_shape, shape_of(v)) for v in eqn.invars],
+            [spec] * len(eqn.outvars),
+        )
+        for spec in candidate_specs(out_shape, mesh)
+    )
+
+
+def _reduction(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    reduced = set(eqn.params["axes"])
+    # argmax/argmin combine (value, index) pairs: twice the bytes of the result.
+    factor = 2.0 if eqn.primitive.name in ("argmax", "argmin") else 1.0
+    result = []
+    for spec in candidate_specs(shape_of(eqn.invars[0]), mesh):
+        out_spec = tuple(a for d, a in enumerate(spec) if d not in reduced)
+        split = [a for d, a in enumerate(spec) if d in reduced and a is not None]
+        nbytes = factor * share_bytes(eqn.outvars[0], out_spec, mesh)
+        comm = sum(collective_cost("allreduce", nbytes, a, mesh) for a in split)
+        name = spec_name(spec) + ("+allreduce" if split else "")
+        result.append(priced_strategy(name, eqn, mesh, [spec], [out_spec], comm=comm))
+    return tuple(result)
+
+
+def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    """Candidate strategies of one jaxpr equation on ``mesh``, in a fixed order, replicated first.
+
+    Covers ``dot_general`` (batch, Megatron column and row splits, 2-D combinations),
+    ``conv_general_dilated`` (batch and output-channel splits), elementwise primitives,
+    reductions, dim-moving primitives (reshape, transpose, broadcast, squeeze, slices, ...),
+    embedding-style ``gather`` / ``dynamic_slice`` / ``scatter-add``; any other equation
+    gets the replicated strategy only. ``input_specs`` has one spec per invar (literals too).
+
+    Example:
+      >>> mesh = MeshSpec(axis_names=("data",), axis_sizes=(8,), bandwidth=(1e11,), latency=(1e-6,),
+      ...                 peak_flops=1e14, memory_bandwidth=1e12)
+      >>> (eqn,) = jax.make_jaxpr(jnp.tanh)(jnp.ones((8, 4))).jaxpr.eqns
+      >>> [s.name for s in eqn_strategies(eqn, mesh)]
+      ['replicated', 'split[d0@data]']
+    """
+    name = eqn.primitive.name
+    if name == "dot_general":
+        result = _dot_general(eqn, mesh)
+    elif name == "conv_general_dilated":
+        result = _conv(eqn, mesh)
+    elif name == "gather":
+        result = _gather(eqn, mesh)
+    elif name in ("scatter-add", "scatter_add"):
+        result = _scatter_add(eqn, mesh)
+    elif name in ELEMENTWISE_PRIMITIVES and len(eqn.outvars) == 1:
+        result = _elementwise(eqn, mesh)
+    elif name in REDUCTION_PRIMITIVES and len(eqn.invars) == 1:
+        result = _reduction(eqn, mesh)
+    elif name in DIM_MAP_PRIMITIVES and eqn.invars:
+        result = _dim_map_strategies(eqn, mesh)
+    else:
+        result = ()
+    return result or replicated_strategies(eqn, mesh)
+
+
+def _input_strategies(v: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    return tuple(
+        Strategy(
+            name=spec_name(spec),
+            compute_cost=0.0,
+            communication_cost=0.0,
+            memory_bytes=share_bytes(v, spec, mesh),
+            output_specs=(spec,),
+            input_specs=(),
+        )
+        for spec in all_specs(shape_of(v), mesh)
+    )
+
+
+def _inputs(jaxpr: Any) -> tuple[Any, list[Any]]:
+    body, _ = compat.jaxpr_and_consts(jaxpr)
+    return body, [*body.constvars, *body.invars]
+
+
+def build_graph(
+    jaxpr: Any, mesh: MeshSpec
+) -> tuple[tuple[Node, ...], tuple[Edge, ...], dict[Any, tuple[Spec, ...]]]:
+    """The strategy graph of a jaxpr for :func:`~autopar._src.sharding_ilp.solve`.
+
+    Nodes come in order: one per jaxpr input (constvars, then invars; named ``input{k}``,
+    strategies replicated or split over each axis on each dim it divides, memory its bytes
+    per device), then one per equation (``eqn{j}:{primitive}``). An edge joins a producer and
+    a consumer of a variable; its cost is the resharding seconds from the producer strategy's
+    output spec to the spec the consumer strategy needs (summed when a consumer reads several
+    values of one producer). Literals get no node and no edge.
+
+    Args:
+      jaxpr: a ``ClosedJaxpr`` (as from ``jax.make_jaxpr``) or an open ``Jaxpr``.
+      mesh: the logical mesh.
+
+    Returns:
+      ``(nodes, edges, var_specs)``; ``var_specs`` maps each variable to its spec under each
+      strategy of its producing node, in that node's strategy order.
+    """
+    body, inputs = _inputs(jaxpr)
+    nodes: list[Node] = []
+    producer: dict[Any, tuple[int, int]] = {}
+    for k, v in enumerate(inputs):
+        producer[v] = (len(nodes), 0)
+        nodes.append(Node(name=f"input{k}", strategies=_input_strategies(v, mesh)))
+    costs: dict[tuple[int, int], np.ndarray] = {}
+    cache: dict[tuple[Any, ...], float] = {}
+    link = [
+        dict(zip(mesh.axis_names, x, strict=True)) for x in (mesh.axis_sizes, mesh.bandwidth, mesh.latency)
+    ]
+
+    def reshard(*key: Any) -> float:  # (src spec, dst spec, shape, itemsize); many edges repeat them
+        if key not in cache:
+            cache[key] = resharding_cost(*key, *link)
+        return cache[key]
+
+    for j, eqn in enumerate(body.eqns):
+        dst = len(nodes)
+        node = Node(name=f"eqn{j}:{eqn.primitive.name}", strategies=eqn_strategies(eqn, mesh))
+        for k, v in enumerate(eqn.invars):
+            if compat.is_literal(v) or v not in producer:
+                continue
+            src, out_index = producer[v]
+            shape, itemsize = shape_of(v), cost.aval_bytes(v.aval) // max(math.prod(shape_of(v)), 1)
+            matrix = np.array(
+                [
+                    [
+                        reshard(s.output_specs[out_index], t.input_specs[k], shape, itemsize)
+                        for t in node.strategies
+                    ]
+                    for s in nodes[src].strategies
+                ]
+            )
+            costs[(src, dst)] = costs[(src, dst)] + matrix if (src, dst) in costs else matrix
+        for k, v in enumerate(eqn.outvars):
+            if not compat.is_dropvar(v):
+                producer[v] = (dst, k)
+        nodes.append(node)
+    edges = tuple(Edge(src=src, dst=dst, cost=m) for (src, dst), m in costs.items())
+    var_specs = {v: tuple(s.output_specs[k] for s in nodes[i].strategies) for v, (i, k) in producer.items()}
+    return tuple(nodes), edges, var_specs
+
+
+def specs_of(solution_choices: Sequence[int], nodes: Sequence[Node], jaxpr: Any) -> dict[Any, Spec]:
+    """The chosen spec of every variable of ``jaxpr`` (inputs and equation outputs).
+
+    Args:
+      solution_choices: the chosen strategy index per node, e.g. ``solve(...).choices``.
+      nodes: the nodes :func:`build_graph` made for this ``jaxpr``.
+      jaxpr: the same jaxpr.
+
+    Raises:
+      ValueError: if the nodes or choices do not match the jaxpr.
+    """
+    body, inputs = _inputs(jaxpr)
+    if not len(nodes) == len(solution_choices) == len(inputs) + len(body.eqns):
+        raise ValueError(
+            f"got {len(solution_choices)} choices and {len(nodes)} nodes for a jaxpr with "
+            f"{len(inputs)} inputs and {len(body.eqns)} equations; pass build_graph's nodes for this jaxpr"
+        )
+    specs: dict[Any, Spec] = {}
+    producers = [[v] for v in inputs] + [list(e.outvars) for e in body.eqns]
+    for node, choice, outvars in zip(nodes, solution_choices, producers, strict=True):
+        if not 0 <= choice < len(node.strategies):
+            raise ValueError(
+                f"choice {choice} for node {node.name!r} is outside its {len(node.strategies)} strategies"
+            )
+        for v, spec in zip(outvars, node.strategies[choice].output_specs, strict=True):
+            if not compat.is_dropvar(v):
+                specs[v] = spec
+    return specs
