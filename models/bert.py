@@ -81,6 +81,9 @@ BERT_PRESETS: dict[str, BertConfig] = {
     "bert-tiny": BertConfig(
         vocab_size=128, num_layers=2, num_heads=4, hidden=64, intermediate=256, max_len=32
     ),
+    "bert-small": BertConfig(
+        vocab_size=512, num_layers=4, num_heads=4, hidden=128, intermediate=512, max_len=64
+    ),
     # Devlin et al. (2019): BERT-Base and BERT-Large.
     "bert-base": BertConfig(
         vocab_size=30522, num_layers=12, num_heads=12, hidden=768, intermediate=3072, max_len=512

@@ -37,14 +37,15 @@ def test_tight_memory_makes_a_pipeline_that_fits_and_equals_jit():
     config = train.tiny_config("gpt", num_layers=4)
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
     batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
-    spec = _cpu_cluster(4.0)
+    spec = _cpu_cluster(5.0)
     par = assert_same_as_jit(
         step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches=4, cluster=spec
     )
     plan = par.plan(state, batches[0])
-    # One data-parallel stage would need ~4.9 MiB per device; the plan splits the layers.
+    # One data-parallel stage would need ~4.9 MiB per device, more than 5 MiB less the
+    # memory model's 15% margin; the plan splits the layers.
     assert plan.num_stages >= 2
-    assert all(st.memory_bytes <= spec.device.memory_bytes for st in plan.stages)
+    assert all(st.memory_bytes <= 0.85 * spec.device.memory_bytes for st in plan.stages)
     roomy = autopar.autoparallel(step, num_stages="auto", num_microbatches=4, cluster=_cpu_cluster(64))
     assert roomy.plan(state, batches[0]).num_stages == 1
 
@@ -59,7 +60,8 @@ def test_no_plan_fits_is_a_clear_error_before_any_work():
     ) as e:
         par(state, batch)
     message = str(e.value)
-    assert "parameters/gradients/optimizer state/temporaries" in message and "307.20 KiB" in message
+    assert "parameters/gradients/optimizer state/temporaries" in message
+    assert "261.12 KiB" in message and "0.30 MiB less the memory model's 15% error margin" in message
     assert isinstance(e.value, ValueError)
 
 

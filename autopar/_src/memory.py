@@ -104,3 +104,8 @@ def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
     else:
         in_flight = min(plan.num_stages - stage, plan.num_microbatches)
     return fixed + in_flight * per_flight
+
+
+def relative_error(predicted: float, actual: float) -> float:
+    """``|predicted - actual| / actual``."""
+    return abs(predicted - actual) / actual

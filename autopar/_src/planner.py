@@ -21,6 +21,10 @@ from autopar._src import cluster as cluster_mod
 from autopar._src import stages
 from autopar._src.profile import LayerProfile
 
+MEMORY_HEADROOM = 0.15
+"""Fraction of device memory kept free: the memory model's validated error bound
+(``benchmarks/memory_model.py``), so that a plan the model says fits does fit."""
+
 DEFAULT_TASK_OVERHEAD = 1e-4
 """Seconds of fixed cost per task: the measured dispatch of a jit on a 4-8 device CPU mesh."""
 
@@ -158,12 +162,16 @@ def solve(
     batch_scale: float = 1.0,
     tensor_parallel: bool = True,
     layer_names: Sequence[str] | None = None,
+    memory_headroom: float = MEMORY_HEADROOM,
 ) -> tuple[stages.StageSolution, StageCosts]:
-    """Runs the stage DP on the analytic costs.
+    """Runs the stage DP on the analytic costs, keeping ``memory_headroom`` of memory free.
 
     Raises:
       NoFeasiblePlanError: if no plan fits the devices' memory.
     """
+    if not 0.0 <= memory_headroom < 1.0:
+        raise ValueError(f"memory_headroom must be in [0, 1), got {memory_headroom!r}")
+    budget = float(spec.device.memory_bytes) * (1.0 - memory_headroom)
     costs = stage_costs(
         profile,
         spec,
@@ -171,12 +179,26 @@ def solve(
         batch_scale=batch_scale,
         tensor_parallel=tensor_parallel,
     )
-    solution = stages.solve_stages(
+    try:
+        solution = _solve(costs, spec, budget, num_microbatches, schedule, layer_names)
+    except stages.NoFeasiblePlanError as e:
+        raise stages.NoFeasiblePlanError(
+            f"{e} (The budget is the device's {spec.device.memory_bytes / 2**20:.2f} MiB less the memory "
+            f"model's {memory_headroom:.0%} error margin.)"
+        ) from None
+    return solution, costs
+
+
+def _solve(
+    costs: StageCosts, spec: cluster_mod.ClusterSpec, budget: float, num_microbatches: int,
+    schedule: Literal["1f1b", "gpipe"], layer_names: Sequence[str] | None,
+) -> stages.StageSolution:
+    return stages.solve_stages(
         costs.latency,
         costs.param_memory,
         costs.activation_memory,
         submesh_devices=[h * d for h, d in costs.submeshes],
-        memory_budget=float(spec.device.memory_bytes),
+        memory_budget=budget,
         num_devices=spec.num_devices,
         num_microbatches=num_microbatches,
         schedule=schedule,
@@ -184,7 +206,6 @@ def solve(
         submesh_shapes=costs.submeshes,
         logical_shapes=costs.logical,
     )
-    return solution, costs
 
 
 def microbatch_candidates(batch_size: int, *, max_microbatches: int = 64) -> tuple[int, ...]:

@@ -73,7 +73,7 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     ops = np.zeros(num_layers, dtype=np.int64)
     boundary = np.zeros(num_layers)
     made: dict[Any, int] = {}
-    stash_vars: dict[Any, int] = {}
+    stash_vars: dict[tuple[Any, int], int] = {}
     first_reader: dict[Any, int] = {}
     diff = set(rj.invars[len(rj.invars) - info.num_grads :])
     flops_by_dtype: dict[str, float] = {}
@@ -108,8 +108,11 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
                 continue
             if a in diff and pass_ == "F":
                 first_reader.setdefault(a, layer)
-            if pass_ == "B" and made.get(a) == layer:
-                stash_vars[a] = layer
+            # A backward reads what its own forward made, and activations received
+            # from earlier layers (e.g. a stage's input, kept for the weight gradient):
+            # both stay alive on the reading layer's stage until its backward.
+            if pass_ == "B" and a in made and made[a] <= layer:
+                stash_vars[(a, layer)] = layer
     params = np.zeros(num_layers)
     for v, layer in first_reader.items():
         params[layer] += cost.aval_bytes(v.aval)
@@ -126,7 +129,7 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     param_layer = {outer[v]: layer for v, layer in first_reader.items() if not compat.is_literal(outer[v])}
     stash = np.zeros(num_layers)
     stash_rep = np.zeros(num_layers)
-    for v, layer in stash_vars.items():
+    for (v, _), layer in stash_vars.items():
         if cost.splits_over_batch(v.aval, rows):
             stash[layer] += cost.aval_bytes(v.aval)
         else:
