@@ -36,6 +36,10 @@ class Options:
     """Positional arguments whose buffers the step may reuse for its outputs."""
     cluster: ClusterSpec | None = None
     """Cluster the stage search plans for (default: a preset matching ``devices``)."""
+    cost_model: Literal["analytic", "measured"] = "analytic"
+    """Stage times estimated from FLOPs and links, or compiled and timed on the devices."""
+    cost_cache: str | None = None
+    """Directory of the measured-cost cache (default ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``)."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches != "auto" and (
@@ -57,6 +61,8 @@ class Options:
                 f"donate_argnums={self.donate_argnums} overlaps batch_argnums={self.batch_argnums}; "
                 "the batch is split into microbatches and cannot be donated"
             )
+        if self.cost_model not in ("analytic", "measured"):
+            raise ValueError(f"cost_model={self.cost_model!r} is not one of ('analytic', 'measured')")
         if self.devices is not None and len(self.devices) == 0:
             raise ValueError("devices is empty; pass at least one device or leave it as None")
 
@@ -73,6 +79,8 @@ def autoparallel(
     plan: Plan | None = None,
     donate_argnums: int | Sequence[int] = (),
     cluster: ClusterSpec | None = None,
+    cost_model: Literal["analytic", "measured"] = "analytic",
+    cost_cache: str | None = None,
 ) -> Any:
     """Runs a single-device train step as a pipeline of sharded stages.
 
@@ -113,6 +121,8 @@ def autoparallel(
         plan=plan,
         donate_argnums=donated,
         cluster=cluster,
+        cost_model=cost_model,
+        cost_cache=cost_cache,
     )
     if fn is None:
         return functools.partial(_wrap, options=options)
@@ -179,6 +189,12 @@ class AutoParallel:
             step, plan = planning.reuse_plan(self.fn, args, plan=opts.plan, **common)
         elif opts.num_stages == "auto":
             spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
+            measured = {}
+            if opts.cost_model == "measured":
+                from autopar._src import measure
+
+                directory = opts.cost_cache or measure.default_cache_dir()
+                measured = dict(measured_devices=devices, cost_cache=measure.CostCache(directory))
             step, plan = planning.auto_plan(
                 self.fn,
                 args,
@@ -188,6 +204,7 @@ class AutoParallel:
                 batch_ids=batch_ids,
                 batch_size=batch_size,
                 device_ids=[d.id for d in devices],
+                **measured,
             )
         else:
             _check_num_stages(opts.num_stages, len(devices))

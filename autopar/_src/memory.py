@@ -46,8 +46,10 @@ def device_bytes(exe: Executable, key: Key, stage: int) -> float:
 def _temporaries(exe: Executable, task_index: int) -> float:
     t = exe.program.tasks[task_index]
     fn = exe.fns[task_index]
-    abstract = [jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, t.stage))
-                for k in t.in_keys]
+    abstract = [
+        jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, t.stage))
+        for k in t.in_keys
+    ]
     return float(fn.lower(*abstract).compile().memory_analysis().temp_size_in_bytes)
 
 

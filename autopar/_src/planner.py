@@ -55,7 +55,13 @@ def _allreduce(num_bytes: np.ndarray | float, n: int, link: cluster_mod.Link) ->
 
 
 def stage_memory(
-    profile: LayerProfile, start: int, stop: int, *, dp: int, tp: int, num_microbatches: int,
+    profile: LayerProfile,
+    start: int,
+    stop: int,
+    *,
+    dp: int,
+    tp: int,
+    num_microbatches: int,
     batch_scale: float = 1.0,
 ) -> tuple[float, float]:
     """Per-device bytes of a stage holding layers ``start..stop-1``: ``(fixed, per_in_flight)``.
@@ -76,9 +82,13 @@ def stage_memory(
     transient = params / tp + largest
     inputs = num_microbatches * float(profile.batch_bytes[start:stop].sum()) * batch_scale / dp
     stash = (
-        float(profile.stash_bytes[start:stop].sum()) / dp
-        + float(profile.stash_replicated_bytes[start:stop].sum())
-    ) * batch_scale / tp
+        (
+            float(profile.stash_bytes[start:stop].sum()) / dp
+            + float(profile.stash_replicated_bytes[start:stop].sum())
+        )
+        * batch_scale
+        / tp
+    )
     return state + transient + inputs, stash
 
 
@@ -90,6 +100,7 @@ def stage_costs(
     batch_scale: float = 1.0,
     tensor_parallel: bool = True,
     task_overhead: float = DEFAULT_TASK_OVERHEAD,
+    measured: np.ndarray | None = None,
 ) -> StageCosts:
     """Analytic cost arrays for every contiguous layer range on every submesh.
 
@@ -101,6 +112,10 @@ def stage_costs(
         the batch are scaled by it).
       tensor_parallel: whether logical meshes may split tensors (``tp > 1``).
       task_overhead: fixed seconds per forward or backward task.
+      measured: measured seconds of one microbatch's forward+backward per layer range on
+        data-parallel submeshes, ``[start, last, k]`` for the submeshes in order (see
+        :func:`autopar._src.measured.layer_range_latency`); they replace the analytic
+        compute, collective and dispatch terms of the logical meshes ``(n, 1)``.
     """
     submeshes = cluster_mod.submesh_shapes(spec)
     logical = tuple(
@@ -133,12 +148,20 @@ def stage_costs(
             grad_sync = _allreduce(params / tp, dp, link) / num_microbatches
             send = 2 * (out_bytes / dp / link.bandwidth + link.latency)
             lat = compute + tp_comm + grad_sync + send + 2 * task_overhead
+            if measured is not None and tp == 1:
+                compute = measured[:, :, k]
+                lat = compute + send
             latency[:, :, k, q] = np.where(valid, lat, np.inf)
             compute_time[:, :, k, q] = np.where(valid, compute, np.inf)
             for i in range(n_layers):
                 for j in range(i, n_layers):
                     fixed, per_flight = stage_memory(
-                        profile, i, j + 1, dp=dp, tp=tp, num_microbatches=num_microbatches,
+                        profile,
+                        i,
+                        j + 1,
+                        dp=dp,
+                        tp=tp,
+                        num_microbatches=num_microbatches,
                         batch_scale=batch_scale,
                     )
                     param_mem[i, j, k, q] = fixed
@@ -163,6 +186,7 @@ def solve(
     tensor_parallel: bool = True,
     layer_names: Sequence[str] | None = None,
     memory_headroom: float = MEMORY_HEADROOM,
+    measured: np.ndarray | None = None,
 ) -> tuple[stages.StageSolution, StageCosts]:
     """Runs the stage DP on the analytic costs, keeping ``memory_headroom`` of memory free.
 
@@ -178,6 +202,7 @@ def solve(
         num_microbatches=num_microbatches,
         batch_scale=batch_scale,
         tensor_parallel=tensor_parallel,
+        measured=measured,
     )
     try:
         solution = _solve(costs, spec, budget, num_microbatches, schedule, layer_names)
@@ -190,8 +215,12 @@ def solve(
 
 
 def _solve(
-    costs: StageCosts, spec: cluster_mod.ClusterSpec, budget: float, num_microbatches: int,
-    schedule: Literal["1f1b", "gpipe"], layer_names: Sequence[str] | None,
+    costs: StageCosts,
+    spec: cluster_mod.ClusterSpec,
+    budget: float,
+    num_microbatches: int,
+    schedule: Literal["1f1b", "gpipe"],
+    layer_names: Sequence[str] | None,
 ) -> stages.StageSolution:
     return stages.solve_stages(
         costs.latency,

@@ -226,6 +226,8 @@ def auto_plan(
     spec: cluster_mod.ClusterSpec,
     tensor_parallel: bool = False,
     retrace: bool = True,
+    measured_devices: Sequence[Any] | None = None,
+    cost_cache: Any = None,
 ) -> tuple[trace.TracedStep, Plan]:
     """Clusters layers automatically and runs the stage DP.
 
@@ -233,7 +235,9 @@ def auto_plan(
     ``tensor_parallel`` allows logical meshes with ``tp > 1`` (for planning only:
     the runtime shards stages over the batch).
 
-    ``device_ids`` are the ids of the cluster's devices, host by host. When the number
+    ``device_ids`` are the ids of the cluster's devices, host by host. With
+    ``measured_devices`` every layer range is compiled and timed on data-parallel
+    submeshes of those devices (cached in ``cost_cache``) instead of estimated. When the number
     of microbatches is chosen, the step is traced at the whole batch and, with
     ``retrace``, traced again at the chosen microbatch size (needed to run it; a dry
     run scales the per-microbatch FLOPs instead).
@@ -267,6 +271,20 @@ def auto_plan(
         )
     prof = profile.layer_profile(step, tuple(batch_ids))
 
+    measured = None
+    if measured_devices is not None:
+        if num_microbatches is None:
+            raise ValueError(
+                "cost_model='measured' needs num_microbatches as an int (each candidate count would "
+                "need its own measurements)"
+            )
+        from autopar._src import measured as measured_mod
+
+        sizes = [h * d for h, d in cluster_mod.submesh_shapes(spec)]
+        measured = measured_mod.layer_range_latency(
+            step, batch_ids, batch_size // num_microbatches, measured_devices, sizes, cache=cost_cache
+        )
+
     def solve(b: int, scale: float) -> tuple[stages.StageSolution, planner.StageCosts]:
         return planner.solve(
             prof,
@@ -275,6 +293,7 @@ def auto_plan(
             schedule=schedule,  # type: ignore[arg-type]
             batch_scale=scale,
             tensor_parallel=tensor_parallel,
+            measured=measured,
         )
 
     if num_microbatches is None:
