@@ -7,7 +7,6 @@ import os
 import platform
 import socket
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,20 +22,10 @@ def use_cpu_devices(n: int) -> None:
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Times each function once per round, alternating, and returns all times (s).
+    """Times each function once per round, alternating (see ``autopar._src.bench``)."""
+    from autopar._src.bench import interleaved_times
 
-    Alternating spreads the machine's background noise evenly over the
-    configurations being compared.
-    """
-    import jax
-
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            times[name].append(time.perf_counter() - t0)
-    return times
+    return interleaved_times(fns, rounds)
 
 
 def summary(ts: Sequence[float]) -> tuple[float, float, float]:

@@ -15,7 +15,7 @@ _INIT_STD = 0.02
 _LN_EPS = 1e-12
 
 
-def _check_float_dtype(dtype: Any) -> None:
+def check_float_dtype(dtype: Any) -> None:
     """Raise ``ValueError`` unless ``dtype`` is a floating-point dtype."""
     try:
         floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
@@ -62,7 +62,7 @@ class BertConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden must be divisible by num_heads={self.num_heads}, got {self.hidden!r}")
-        _check_float_dtype(self.dtype)
+        check_float_dtype(self.dtype)
 
     @property
     def head_dim(self) -> int:

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from models.bert import BertConfig
+from models.data import _random_state
 from models.moe import MoEConfig
 from models.wide_resnet import WResNetConfig
 
@@ -18,18 +19,6 @@ MASK_FRACTION = 0.15
 """Fraction of positions of each :func:`bert_batch` row that are masked and predicted."""
 
 _TEMPLATE_SEED = 4321
-
-
-def _random_state(seed: Any) -> np.random.RandomState:
-    """Build a ``RandomState`` from an int seed or a JAX PRNG key."""
-    if isinstance(seed, (int, np.integer)):
-        return np.random.RandomState(int(seed) % 2**32)
-    import jax  # Only needed for key inputs.
-
-    key = seed
-    if jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    return np.random.RandomState(np.asarray(key, dtype=np.uint32).ravel())
 
 
 def _check_batch_size(batch_size: int) -> None:

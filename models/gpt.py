@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
 
+from models.bert import check_float_dtype
+
 _INIT_STD = 0.02
 
 
@@ -40,12 +42,7 @@ class GPTConfig:
             raise ValueError(f"hidden must be divisible by num_heads={self.num_heads}, got {self.hidden!r}")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate!r}")
-        try:
-            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
-        except TypeError:
-            floating = False
-        if not floating:
-            raise ValueError(f"dtype must be a floating-point dtype, got {self.dtype!r}")
+        check_float_dtype(self.dtype)
 
     @property
     def head_dim(self) -> int:
@@ -77,24 +74,26 @@ def _published(layers: int, hidden: int, heads: int) -> GPTConfig:
 
 # Sizes of the GPT-3 paper's model table (layers, hidden, heads), with the sequence
 # length 1024 and vocabulary 51200 of Alpa's GPT benchmark, plus Alpa's own sizes.
-GPT_PRESETS.update({
-    "gpt3-125m": _published(12, 768, 12),
-    "gpt3-350m": _published(24, 1024, 16),
-    "gpt3-760m": _published(24, 1536, 16),
-    # The table lists 24 heads of size 128 with hidden 2048; here hidden = heads x head size.
-    "gpt3-1.3b": _published(24, 2048, 16),
-    "gpt3-2.7b": _published(32, 2560, 32),
-    "gpt3-6.7b": _published(32, 4096, 32),
-    "gpt3-13b": _published(40, 5120, 40),
-    "gpt3-175b": _published(96, 12288, 96),
-    "gpt-350m": _published(24, 1024, 16),
-    "gpt-1.3b": _published(24, 2048, 32),
-    "gpt-2.6b": _published(32, 2560, 32),
-    "gpt-6.7b": _published(32, 4096, 32),
-    "gpt-15b": _published(48, 5120, 40),
-    "gpt-39b": _published(48, 8192, 64),
-    "gpt-76b": _published(60, 10240, 80),
-})
+GPT_PRESETS.update(
+    {
+        "gpt3-125m": _published(12, 768, 12),
+        "gpt3-350m": _published(24, 1024, 16),
+        "gpt3-760m": _published(24, 1536, 16),
+        # The table lists 24 heads of size 128 with hidden 2048; here hidden = heads x head size.
+        "gpt3-1.3b": _published(24, 2048, 16),
+        "gpt3-2.7b": _published(32, 2560, 32),
+        "gpt3-6.7b": _published(32, 4096, 32),
+        "gpt3-13b": _published(40, 5120, 40),
+        "gpt3-175b": _published(96, 12288, 96),
+        "gpt-350m": _published(24, 1024, 16),
+        "gpt-1.3b": _published(24, 2048, 32),
+        "gpt-2.6b": _published(32, 2560, 32),
+        "gpt-6.7b": _published(32, 4096, 32),
+        "gpt-15b": _published(48, 5120, 40),
+        "gpt-39b": _published(48, 8192, 64),
+        "gpt-76b": _published(60, 10240, 80),
+    }
+)
 
 
 def _attention_weights(q: jax.Array, k: jax.Array) -> jax.Array:

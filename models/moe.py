@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from models.bert import check_float_dtype
 from models.losses import next_token_loss
 
 _INIT_STD = 0.02
@@ -83,12 +84,7 @@ class MoEConfig:
             raise ValueError(f"capacity_factor must be a positive number, got {self.capacity_factor!r}")
         if self.dispatch not in ("einsum", "scatter"):
             raise ValueError(f"dispatch must be 'einsum' or 'scatter', got {self.dispatch!r}")
-        try:
-            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
-        except TypeError:
-            floating = False
-        if not floating:
-            raise ValueError(f"dtype must be a floating-point dtype, got {self.dtype!r}")
+        check_float_dtype(self.dtype)
 
     @property
     def head_dim(self) -> int:

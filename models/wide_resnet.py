@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from models.bert import check_float_dtype
+
 _STAGE_SIZES: dict[int, tuple[int, ...]] = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3)}
 
 
@@ -54,12 +56,7 @@ class WResNetConfig:
                     f"blocks_per_stage must be None or a non-empty tuple of positive ints, got {blocks!r}"
                 )
             object.__setattr__(self, "blocks_per_stage", blocks)
-        try:
-            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
-        except TypeError:
-            floating = False
-        if not floating:
-            raise ValueError(f"dtype must be a floating-point dtype, got {self.dtype!r}")
+        check_float_dtype(self.dtype)
 
     @property
     def stage_sizes(self) -> tuple[int, ...]:

@@ -20,10 +20,9 @@ def _flops(x: float) -> str:
 
 
 def _bytes(x: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= scale:
-            return f"{x / scale:.1f} {unit}"
-    return f"{x:.0f} B"
+    from autopar._src.stages import format_bytes
+
+    return format_bytes(x)
 
 
 def _seconds(x: float) -> str:

@@ -213,7 +213,8 @@ def _solution(prob: _Problem, choices: Sequence[tuple[int, int, int, int]]) -> S
     )
 
 
-def _fmt_bytes(num: float) -> str:
+def format_bytes(num: float) -> str:
+    """``num`` bytes in GiB, MiB or KiB with two decimals."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if num >= scale:
             return f"{num / scale:.2f} {unit}"
@@ -223,7 +224,7 @@ def _fmt_bytes(num: float) -> str:
 def _no_plan_error(prob: _Problem) -> NoFeasiblePlanError:
     """Explains infeasibility through the layer that is hardest to place on its own."""
     in_flight = num_in_flight(0, prob.num_microbatches, prob.schedule)
-    budget = _fmt_bytes(prob.memory_budget)
+    budget = format_bytes(prob.memory_budget)
     layers = np.arange(prob.latency.shape[0])
     lat = prob.latency[layers, layers]  # (L, K, Q): each layer alone
     mem = np.where(
@@ -252,9 +253,9 @@ def _no_plan_error(prob: _Problem) -> NoFeasiblePlanError:
     params, acts = prob.param_memory[layer, layer, k, q], prob.activation_memory[layer, layer, k, q]
     breakdown = (
         f"alone on submesh {prob.submesh_names[k]} with logical mesh {prob.logical_names[k][q]} it needs "
-        f"{_fmt_bytes(params)} of parameters/gradients/optimizer state/temporaries + {_fmt_bytes(acts)} "
+        f"{format_bytes(params)} of parameters/gradients/optimizer state/temporaries + {format_bytes(acts)} "
         "of activations x "
-        f"{in_flight} in-flight microbatch(es) = {_fmt_bytes(best[layer])} per device, against a budget of "
+        f"{in_flight} in-flight microbatch(es) = {format_bytes(best[layer])} per device, against a budget of "
         f"{budget} per device"
     )
     if best[layer] > prob.memory_budget:
