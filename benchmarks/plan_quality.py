@@ -1,0 +1,408 @@
+"""Plan quality: autopar's stage search vs every Megatron-style (dp, tp, pp) grid and pure data parallel.
+
+Each model is traced abstractly once per cluster preset at the whole global batch (nothing is
+allocated), profiled, and costed analytically (``autopar._src.planner.stage_costs`` with
+tensor-parallel logical meshes). For every microbatch count that divides the batch (up to 64),
+three plans share that cost model:
+
+- autopar: Alpa's stage DP over layer ranges x submeshes x logical (dp, tp) meshes;
+- every uniform grid ``dp * tp * pp = N``: ``pp`` stages of equal layer counts, each on
+  ``N / pp`` devices as a ``(dp, tp)`` mesh (Megatron-LM's 3-D parallelism);
+- pure data parallel: the grid ``(N, 1, 1)``.
+
+Each keeps its best microbatch count. The ratio best grid / autopar is >= 1 when autopar's
+plan is at least as fast; the grids lie inside the stage search's space, so a ratio below 1
+would be a bug. These are predicted step times of the analytic model, not measurements.
+
+Models are paired with cluster sizes as in Alpa's weak scaling (Zheng et al., OSDI 2022,
+Table 4), shifted down: the models Alpa ran on 1, 4, 8 and 16 GPUs run here on 8, 16, 32
+and 64 devices (BERT, which Alpa did not run, keeps its largest preset on 64).
+
+    python benchmarks/plan_quality.py                     # 4 families x 8..64 devices x v100, h100
+    python benchmarks/plan_quality.py --quick             # GPT and BERT on 8, 16 V100s (< 1 min)
+    python benchmarks/plan_quality.py --sizes alpa        # Alpa's own 8..64-GPU model sizes
+    python benchmarks/plan_quality.py --families gpt --devices 8 --presets h100
+    python benchmarks/plan_quality.py --smoke --out-dir /tmp/results   # one tiny model, seconds
+
+The last line printed is ``min_ratio_vs_best_grid=<float>`` (over the GPT and BERT cells run;
+over all cells when there are none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _common  # noqa: E402
+
+DEVICE_COUNTS = (8, 16, 32, 64)
+SIZES: dict[str, dict[str, dict[int, str]]] = {
+    # Alpa's Table 4 models for 1, 4, 8 and 16 GPUs, placed on 8, 16, 32 and 64 devices.
+    "shifted": {
+        "gpt": {8: "gpt-350m", 16: "gpt-1.3b", 32: "gpt-2.6b", 64: "gpt-6.7b"},
+        "bert": {8: "bert-large", 16: "bert-1.3b", 32: "bert-2.6b", 64: "bert-2.6b"},
+        "wresnet": {8: "wresnet-250m", 16: "wresnet-1b", 32: "wresnet-2b", 64: "wresnet-4b"},
+        "moe": {8: "moe-380m", 16: "moe-1.3b", 32: "moe-2.4b", 64: "moe-10b"},
+    },
+    # Alpa's Table 4 models for 8, 16, 32 and 64 GPUs (no 70B MoE preset: 27B on 64 too).
+    "alpa": {
+        "gpt": {8: "gpt-2.6b", 16: "gpt-6.7b", 32: "gpt-15b", 64: "gpt-39b"},
+        "bert": {8: "bert-large", 16: "bert-1.3b", 32: "bert-2.6b", 64: "bert-2.6b"},
+        "wresnet": {8: "wresnet-2b", 16: "wresnet-4b", 32: "wresnet-6.8b", 64: "wresnet-13b"},
+        "moe": {8: "moe-2.4b", 16: "moe-10b", 32: "moe-27b", 64: "moe-27b"},
+    },
+}
+FAMILIES = ("gpt", "bert", "wresnet", "moe")
+DTYPES = {"v100": "float16", "h100": "bfloat16", "a100": "bfloat16", "cpu": "float32"}
+"""Compute dtype per preset: V100 has no bfloat16 arithmetic."""
+SCHEDULE = "1f1b"
+HEADLINE_FAMILIES = ("gpt", "bert")
+
+
+def abstract_step(model: str, dtype: str, batch_size: int | None = None):
+    """``(step, state, batch, kind, batch_size)`` of a preset, all abstract (nothing allocated).
+
+    GPT blocks are rematerialised, as large GPTs are trained.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from models import registry, train
+
+    kind, config = registry.lookup(model)
+    overrides: dict[str, Any] = {"dtype": jnp.dtype(dtype)}
+    if kind == "gpt":
+        overrides["remat"] = True
+    config = type(config).preset(model, **overrides)
+    batch_size = batch_size or registry.DEFAULT_BATCH[kind]
+    sample = train.make_batch(kind, config, 2)
+    batch = {k: jax.ShapeDtypeStruct((batch_size, *v.shape[1:]), v.dtype) for k, v in sample.items()}
+    state = jax.eval_shape(lambda: train.linen_state(kind, config, optax.adamw(1e-4)))
+    return train.linen_step(kind), state, batch, kind, batch_size
+
+
+def _grid_name(grid: tuple[int, int, int]) -> str:
+    return "x".join(map(str, grid))
+
+
+def _stage_search(costs, common: dict[str, Any]) -> dict[str, Any] | None:
+    """autopar's stage DP on one microbatch count's costs, as plain data (None if nothing fits)."""
+    from autopar._src import stages
+
+    try:
+        sol = stages.solve_stages(
+            costs.latency,
+            costs.param_memory,
+            costs.activation_memory,
+            **common,
+            submesh_shapes=costs.submeshes,
+            logical_shapes=costs.logical,
+        )
+    except stages.NoFeasiblePlanError:
+        return None
+    return {
+        "seconds": sol.objective,
+        "microbatches": common["num_microbatches"],
+        "stages": [
+            {
+                "layers": [c.start, c.stop],
+                "submesh": list(costs.submeshes[c.submesh]),
+                "logical": list(costs.logical[c.submesh][c.logical]),
+            }
+            for c in sol.stages
+        ],
+    }
+
+
+def _faster(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The faster of two plans (None: does not fit); ties keep ``a``."""
+    if a is None or (b is not None and b["seconds"] < a["seconds"]):
+        return b
+    return a
+
+
+def plan_cell(
+    model: str, preset: str, num_devices: int, *, batch_size: int | None = None, max_microbatches: int = 64
+) -> dict[str, Any]:
+    """Traces, profiles and plans one (model, cluster) cell; returns its results as plain data."""
+    import jax
+
+    from autopar._src import baselines, planner, planning, profile, trace
+    from autopar._src.cluster import preset as cluster_preset
+
+    t0 = time.perf_counter()
+    step, state, batch, kind, batch_size = abstract_step(model, DTYPES[preset], batch_size)
+    per_host = min(num_devices, 8)
+    spec = cluster_preset(preset, num_devices // per_host, devices_per_host=per_host)
+    num_state = len(jax.tree.leaves(state))
+    batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
+    traced = planning.trace_at(
+        step, (state, batch), batch_ids, batch_size, trace.TraceOptions(num_layers=None)
+    )
+    prof = profile.layer_profile(traced, batch_ids)
+    trace_seconds = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    autopar_best: dict[str, Any] | None = None
+    data_parallel_stages: dict[str, Any] | None = None
+    grids: dict[tuple[int, int, int], dict[str, Any] | None] = {}
+    candidates = planner.microbatch_candidates(batch_size, max_microbatches=max_microbatches)
+    for b in candidates:
+        common = dict(
+            memory_budget=float(spec.device.memory_bytes),
+            num_devices=spec.num_devices,
+            num_microbatches=b,
+            schedule=SCHEDULE,
+        )
+        for tensor_parallel in (True, False):
+            costs = planner.stage_costs(
+                prof, spec, num_microbatches=b, batch_scale=1.0 / b, tensor_parallel=tensor_parallel
+            )
+            common["submesh_devices"] = [h * d for h, d in costs.submeshes]
+            found = _stage_search(costs, common)
+            if tensor_parallel:
+                autopar_best = _faster(autopar_best, found)
+                arrays = (costs.latency, costs.param_memory, costs.activation_memory)
+                plans = baselines.uniform_grid_plans(*arrays, logical_shapes=costs.logical, **common)
+                for grid, g in plans.items():
+                    found_grid = None if g is None else {"seconds": g.objective, "microbatches": b}
+                    grids[grid] = _faster(grids.get(grid), found_grid)
+            else:
+                data_parallel_stages = _faster(data_parallel_stages, found)
+    plan_seconds = time.perf_counter() - t1
+    return {
+        "model": model,
+        "family": kind,
+        "preset": preset,
+        "devices": num_devices,
+        "cluster": spec.name,
+        "dtype": DTYPES[preset],
+        "batch": batch_size,
+        "layers": prof.num_layers,
+        "microbatch_candidates": list(candidates),
+        "autopar": autopar_best,
+        "autopar_tp1": data_parallel_stages,
+        "grids": {_grid_name(k): v for k, v in grids.items()},
+        "trace_seconds": trace_seconds,
+        "plan_seconds": plan_seconds,
+    }
+
+
+def cell_summary(cell: dict[str, Any]) -> dict[str, Any]:
+    """Best grid, pure data parallel, best grid / autopar and infeasible grids of a cell.
+
+    The ratio is inf when only autopar fits and 0 when only a grid fits (which would be a bug:
+    every grid is a plan the stage search considers).
+    """
+    feasible = {k: v for k, v in cell["grids"].items() if v is not None}
+    best_grid = min(feasible, key=lambda k: feasible[k]["seconds"]) if feasible else None
+    ours = cell["autopar"]
+    if ours is not None and best_grid is not None:
+        ratio: float | None = feasible[best_grid]["seconds"] / ours["seconds"]
+    elif ours is not None:
+        ratio = math.inf
+    else:
+        ratio = None if best_grid is None else 0.0
+    return {
+        "best_grid": best_grid,
+        "ratio": ratio,
+        "dp": cell["grids"].get(_grid_name((cell["devices"], 1, 1))),
+        "infeasible": [k for k, v in cell["grids"].items() if v is None],
+    }
+
+
+def _seconds(plan: dict[str, Any] | None, missing: str = "OOM") -> str:
+    return missing if plan is None else f"{plan['seconds']:.4g} (B={plan['microbatches']})"
+
+
+def _meshes(plan: dict[str, Any] | None) -> str:
+    if plan is None:
+        return "-"
+    return f"{len(plan['stages'])}: " + ",".join("{}x{}".format(*s["logical"]) for s in plan["stages"])
+
+
+HEADERS = [
+    "model",
+    "cluster",
+    "layers",
+    "autopar s",
+    "autopar stages: dp x tp",
+    "best grid dp x tp x pp",
+    "best grid s",
+    "grid / autopar",
+    "pure DP s",
+    "autopar tp=1 s",
+    "OOM grids",
+]
+
+
+def table_row(cell: dict[str, Any]) -> list[Any]:
+    """One row of the results table."""
+    s = cell_summary(cell)
+    grid = cell["grids"][s["best_grid"]] if s["best_grid"] else None
+    ratio = s["ratio"]
+    return [
+        cell["model"],
+        f"{cell['devices']}x{cell['preset'].upper()}",
+        cell["layers"],
+        _seconds(cell["autopar"], "does not fit"),
+        _meshes(cell["autopar"]),
+        s["best_grid"] or "none fits",
+        _seconds(grid, "-"),
+        "-" if ratio is None else f"{ratio:.3f}",
+        _seconds(s["dp"]),
+        _seconds(cell["autopar_tp1"]),
+        f"{len(s['infeasible'])}/{len(cell['grids'])}",
+    ]
+
+
+def margins(cells: list[dict[str, Any]], families: tuple[str, ...]) -> tuple[float, float, float] | None:
+    """(min, median, max) of best grid / autopar over the cells of ``families`` where one fits
+    (a cell where only a grid fits counts as 0; one where only autopar fits is left out)."""
+    ratios = [cell_summary(c)["ratio"] for c in cells if c["family"] in families]
+    finite = [r for r in ratios if r is not None and math.isfinite(r)]
+    return (min(finite), statistics.median(finite), max(finite)) if finite else None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--devices", nargs="+", type=int, default=list(DEVICE_COUNTS), choices=DEVICE_COUNTS)
+    parser.add_argument("--presets", nargs="+", default=["v100", "h100"], choices=sorted(DTYPES))
+    parser.add_argument(
+        "--sizes",
+        default="shifted",
+        choices=sorted(SIZES),
+        help="model per cluster size: 'shifted' (Alpa's 1/4/8/16-GPU models on 8/16/32/64 devices, "
+        "default) or 'alpa' (Alpa's 8/16/32/64-GPU models)",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=None,
+        help="plan these presets on every --devices (overrides --families)",
+    )
+    parser.add_argument("--batch-size", type=int, default=None, help="default: Alpa's batch of each family")
+    parser.add_argument("--max-microbatches", type=int, default=64)
+    parser.add_argument(
+        "--quick", action="store_true", help="GPT and BERT on 8 and 16 V100s (under a minute)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="gpt-small, batch 64, 8 V100s (seconds)")
+    parser.add_argument("--out-dir", default=_common.RESULTS, help="directory of the results files")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.families, args.devices, args.presets = ["gpt", "bert"], [8, 16], ["v100"]
+    if args.smoke:
+        args.models, args.devices, args.presets = ["gpt-small"], [8], ["v100"]
+        args.batch_size = args.batch_size or 64
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    _common.use_cpu_devices(1)
+    _common.RESULTS = args.out_dir  # write_markdown reads it at call time
+
+    jobs = []
+    for preset in args.presets:
+        if args.models:
+            jobs += [(m, preset, n) for m in args.models for n in args.devices]
+        else:
+            jobs += [(SIZES[args.sizes][f][n], preset, n) for f in args.families for n in args.devices]
+    start = time.perf_counter()
+    cells = []
+    for model, preset, n in jobs:
+        cell = plan_cell(model, preset, n, batch_size=args.batch_size, max_microbatches=args.max_microbatches)
+        cells.append(cell)
+        print(
+            " | ".join(map(str, table_row(cell))),
+            f"(trace {cell['trace_seconds']:.1f} s, plan {cell['plan_seconds']:.1f} s)",
+            flush=True,
+        )
+    elapsed = time.perf_counter() - start
+    rows = [table_row(c) for c in cells]
+    _common.print_table("plan quality (predicted step seconds)", HEADERS, rows)
+
+    summary = []
+    for fams, label in (
+        (HEADLINE_FAMILIES, "GPT and BERT"),
+        (("wresnet",), "Wide-ResNet"),
+        (("moe",), "MoE"),
+    ):
+        m = margins(cells, fams)
+        if m is not None:
+            summary.append(f"{label}: best grid / autopar min {m[0]:.3f}, median {m[1]:.3f}, max {m[2]:.3f}")
+    notes = [
+        "Predicted step seconds of the analytic cost model, not measurements. `B` is the number of "
+        "microbatches; every plan picks its best. `grid / autopar` >= 1 means autopar's plan is at "
+        "least as fast as the best uniform (dp, tp, pp) grid. `pure DP` is the grid (N, 1, 1). "
+        "`autopar tp=1` is the stage search restricted to data-parallel logical meshes (what the "
+        "runtime executes today); tensor-parallel stages are planned analytically only. `OOM grids` "
+        "counts the grids that fit no microbatch count. Stage lists give each stage's logical mesh.",
+        "",
+        "The cost model charges every collective of a stage whose submesh spans hosts (data- and "
+        "tensor-parallel alike) at the inter-host link, which on the V100 preset is slow (25 Gbit/s "
+        "per 8 GPUs). A grid whose stages are wider than one host therefore pays inter-host "
+        "all-reduces that Megatron-LM would keep inside a host for its tensor-parallel axis; the "
+        "largest ratios below (wide stages forced by memory) come mostly from that. Grids also "
+        "split the clustered layers equally, so `pp` is at most the number of layers.",
+        "",
+        *[f"- {line}." for line in summary],
+        "",
+        "Grids that fit no microbatch count (dp x tp x pp):",
+        "",
+        *[
+            f"- {c['model']} on {c['devices']}x{c['preset'].upper()}: "
+            + (", ".join(cell_summary(c)["infeasible"]) or "none")
+            for c in cells
+        ],
+        "",
+        f"Every grid and plan is in the JSON file next to this one. Run time {elapsed:.0f} s.",
+    ]
+    config = {
+        "pairs": "; ".join(f"{m} on {n}x{p.upper()}" for m, p, n in jobs),
+        "model sizes": {
+            "shifted": "Alpa's 1/4/8/16-GPU models on 8/16/32/64 devices",
+            "alpa": "Alpa's 8/16/32/64-GPU models",
+        }[args.sizes]
+        if not args.models
+        else "given",
+        "cluster presets": ", ".join(args.presets) + " (8 devices per host)",
+        "compute dtype": ", ".join(f"{p}: {DTYPES[p]}" for p in args.presets) + "; float32 parameters, adamw",
+        "global batch": str(args.batch_size) if args.batch_size else "GPT/BERT/MoE 1024, Wide-ResNet 1536",
+        "microbatches": f"every divisor of the batch up to {args.max_microbatches}",
+        "schedule": SCHEDULE,
+        "GPT blocks": "rematerialised",
+        "costs": "analytic (autopar._src.planner.stage_costs, tensor_parallel=True)",
+        "grids": "baselines.uniform_grid_plans: dp * tp * pp = N, pp <= layers, equal layers per stage",
+        "command": " ".join(["python benchmarks/plan_quality.py", *(sys.argv[1:] if argv is None else argv)]),
+    }
+    full = not args.models and (args.families, args.devices, args.presets) == (
+        list(FAMILIES),
+        list(DEVICE_COUNTS),
+        ["v100", "h100"],
+    )
+    mode = "" if full else "_smoke" if args.smoke else "_quick" if args.quick else "_subset"
+    name = "plan_quality" + ("_alpa" if args.sizes == "alpa" and not args.models else "") + mode
+    title = "Plan quality: autopar vs Megatron-style grids and data parallel"
+    path = _common.write_markdown(name, title, config, HEADERS, rows, "\n".join(notes))
+    with open(path.removesuffix(".md") + ".json", "w") as f:
+        json.dump({"config": config, "cells": cells}, f, indent=1)
+    print(f"results: {path}")
+    print(*summary, sep="\n")
+    headline = margins(cells, HEADLINE_FAMILIES) or margins(cells, FAMILIES) or (math.nan,) * 3
+    print(f"min_ratio_vs_best_grid={headline[0]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
