@@ -195,14 +195,18 @@ class Executable:
                     env[loc] = self._placed_consts[loc]
                 elif tag is None or nmb == 1:
                     leaf = _strongly_typed(leaves[self._arg_index[var]])
-                    direct.append(((key, s), leaf, self._shardings[(key, s)]))
+                    target = self._shardings[(key, s)]
+                    if isinstance(leaf, jax.Array) and leaf.sharding == target:
+                        env[(key, s)] = leaf  # already in place: the state a step returned
+                    else:
+                        direct.append(((key, s), leaf, target))
                 else:
                     parts = self._split(leaves[self._arg_index[var]], var, s)
                     for j, part in enumerate(parts):
                         if (var, j) in self.program.input_stages and s in self.program.input_stages[(var, j)]:
                             env[((var, j), s)] = part
         if direct:
-            # One batched call: leaves already in place (the state a step returned) cost ~nothing.
+            # One batched call for everything that has to move.
             placed = jax.device_put([x for _, x, _ in direct], [sh for _, _, sh in direct])
             env.update(zip([loc for loc, _, _ in direct], placed, strict=True))
         return env
