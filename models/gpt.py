@@ -137,7 +137,8 @@ class CausalSelfAttention(nn.Module):
         k = nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="key")(x).reshape(heads)
         v = nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="value")(x).reshape(heads)
         weights = _attention_weights(q, k)
-        weights = nn.Dropout(cfg.dropout_rate)(weights, deterministic=deterministic)
+        # Other models' configs (the MoE transformer) reuse this module without dropout.
+        weights = nn.Dropout(getattr(cfg, "dropout_rate", 0.0))(weights, deterministic=deterministic)
         out = _attend(weights, v)
         return nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="out")(out)
 
@@ -146,13 +147,16 @@ class FeedForward(nn.Module):
     """Two-layer GELU feed-forward network."""
 
     config: GPTConfig
+    width: int | None = None
+    """Hidden width (default: ``config.mlp_hidden``)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the feed-forward network to ``x`` of shape ``[B, T, hidden]``."""
         cfg = self.config
         init = nn.initializers.normal(_INIT_STD)
-        x = nn.Dense(cfg.mlp_hidden, dtype=cfg.dtype, kernel_init=init, name="fc_in")(x)
+        width = self.width if self.width is not None else cfg.mlp_hidden
+        x = nn.Dense(width, dtype=cfg.dtype, kernel_init=init, name="fc_in")(x)
         x = jax.nn.gelu(x)
         return nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="fc_out")(x)
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from models.bert import check_float_dtype
+from models.gpt import CausalSelfAttention, FeedForward
 from models.losses import next_token_loss
 
 _INIT_STD = 0.02
@@ -239,43 +240,6 @@ def combine_weights(routing: Routing, *, num_experts: int, capacity: int) -> jax
 # -------------------------------------------------------------------------- layers
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with separate q/k/v/out projections."""
-
-    config: MoEConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Attend over ``x [B, T, hidden]``."""
-        cfg = self.config
-        init = nn.initializers.normal(_INIT_STD)
-        seq_len = x.shape[1]
-        heads = (*x.shape[:2], cfg.num_heads, cfg.head_dim)
-        q = nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="query")(x).reshape(heads)
-        k = nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="key")(x).reshape(heads)
-        v = nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="value")(x).reshape(heads)
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(cfg.head_dim)
-        causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(*x.shape[:2], cfg.hidden)
-        return nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="out")(out)
-
-
-class FeedForward(nn.Module):
-    """Two-layer GELU feed-forward network of width ``config.dense_hidden``."""
-
-    config: MoEConfig
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Apply the network to ``x [B, T, hidden]``."""
-        cfg = self.config
-        init = nn.initializers.normal(_INIT_STD)
-        x = nn.Dense(cfg.dense_hidden, dtype=cfg.dtype, kernel_init=init, name="fc_in")(x)
-        return nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="fc_out")(jax.nn.gelu(x))
-
-
 class MoEFeedForward(nn.Module):
     """Top-2 gated mixture of ``num_experts`` GELU feed-forward experts (no biases)."""
 
@@ -356,7 +320,7 @@ class MoEBlock(nn.Module):
         if self.use_moe:
             h, aux_loss = MoEFeedForward(cfg, name="moe")(h)
         else:
-            h, aux_loss = FeedForward(cfg, name="mlp")(h), jnp.zeros((), jnp.float32)
+            h, aux_loss = FeedForward(cfg, width=cfg.dense_hidden, name="mlp")(h), jnp.zeros((), jnp.float32)
         return x + h, aux_loss
 
 
