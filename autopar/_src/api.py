@@ -125,12 +125,8 @@ def autoparallel(
         cost_cache=cost_cache,
     )
     if fn is None:
-        return functools.partial(_wrap, options=options)
-    return _wrap(fn, options=options)
-
-
-def _wrap(fn: Callable[..., Any], *, options: Options) -> AutoParallel:
-    return AutoParallel(fn, options)
+        return functools.partial(AutoParallel, options=options)
+    return AutoParallel(fn, options=options)
 
 
 class AutoParallel:
