@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import numpy as np
 import optax
 import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
@@ -129,4 +128,3 @@ def test_assign_devices_rejects_sizes_that_do_not_tile():
     spec = cluster.preset("cpu", devices_per_host=8)
     with pytest.raises(ValueError, match="do not tile"):
         planning.assign_devices([(1, 8), (1, 4)], spec)
-    assert np.sum([4, 4]) == 8
