@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import driver, partition, planning, schedule
+from autopar._src import driver, intra_op, partition, planner, planning, schedule
 from autopar._src.cluster import ClusterSpec
 from autopar._src.plan import Plan
 
@@ -40,6 +40,11 @@ class Options:
     """Stage times estimated from FLOPs and links, or compiled and timed on the devices."""
     cost_cache: str | None = None
     """Directory of the measured-cost cache (default ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``)."""
+    sharding: Literal["auto", "data"] = "auto"
+    """``"auto"``: each stage's layouts come from the sharding ILP (data, tensor and
+    optimizer-state parallelism as its costs say); ``"data"``: split the batch, replicate the rest."""
+    mesh_shape: tuple[int, ...] | None = None
+    """With an int ``num_stages``: each stage's logical mesh, ``(data,)`` or ``(data, model)``."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches != "auto" and (
@@ -65,6 +70,28 @@ class Options:
             raise ValueError(f"cost_model={self.cost_model!r} is not one of ('analytic', 'measured')")
         if self.devices is not None and len(self.devices) == 0:
             raise ValueError("devices is empty; pass at least one device or leave it as None")
+        if self.sharding not in ("auto", "data"):
+            raise ValueError(f"sharding={self.sharding!r} is not one of ('auto', 'data')")
+        if self.mesh_shape is not None:
+            shape = self.mesh_shape
+            if (
+                not isinstance(shape, tuple)
+                or len(shape) not in (1, 2)
+                or not all(isinstance(d, int) and d >= 1 for d in shape)
+            ):
+                raise ValueError(
+                    f"mesh_shape must be (data,) or (data, model) with positive ints, got {shape!r}"
+                )
+            if self.num_stages == "auto":
+                raise ValueError(
+                    f"mesh_shape={shape} needs an int num_stages; with num_stages='auto' the stage "
+                    "search chooses each stage's mesh"
+                )
+            if len(shape) == 2 and shape[1] > 1 and self.sharding == "data":
+                raise ValueError(
+                    f"mesh_shape={shape} has a model axis, which sharding='data' never uses; "
+                    "use sharding='auto'"
+                )
 
 
 def autoparallel(
@@ -81,6 +108,8 @@ def autoparallel(
     cluster: ClusterSpec | None = None,
     cost_model: Literal["analytic", "measured"] = "analytic",
     cost_cache: str | None = None,
+    sharding: Literal["auto", "data"] = "auto",
+    mesh_shape: Sequence[int] | None = None,
 ) -> Any:
     """Runs a single-device train step as a pipeline of sharded stages.
 
@@ -88,7 +117,13 @@ def autoparallel(
     DP chooses the stages, their submeshes and (with ``num_microbatches="auto"``)
     the number of microbatches, for ``cluster`` (default: a preset matching the
     devices), so that every stage fits its devices' memory. An int ``num_stages``
-    splits the loss into that many FLOP-balanced stages on equal submeshes.
+    splits the loss into that many FLOP-balanced stages on equal submeshes, each a
+    ``mesh_shape`` logical mesh (default: all its devices on ``"data"``).
+
+    With ``sharding="auto"`` each stage's layouts come from an ILP over its equations
+    (data parallel, Megatron-style tensor parallel over ``"model"``, sharded optimizer
+    state when the cluster's memory asks for it); ``sharding="data"`` splits the batch
+    and replicates everything else.
 
     The step must compute its gradient with :func:`autopar.value_and_grad` (or
     :func:`autopar.grad`); the loss is cut into layers, grouped into stages on
@@ -123,6 +158,8 @@ def autoparallel(
         cluster=cluster,
         cost_model=cost_model,
         cost_cache=cost_cache,
+        sharding=sharding,
+        mesh_shape=None if mesh_shape is None else tuple(mesh_shape),
     )
     if fn is None:
         return functools.partial(AutoParallel, options=options)
@@ -181,10 +218,10 @@ class AutoParallel:
         nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
         batch_ids, batch_size = _batch_leaves(args, opts.batch_argnums, 1 if nmb == "auto" else nmb)
         common = dict(batch_ids=batch_ids, batch_size=batch_size, devices=devices)
+        spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
         if opts.plan is not None:
             step, plan = planning.reuse_plan(self.fn, args, plan=opts.plan, **common)
         elif opts.num_stages == "auto":
-            spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
             measured = {}
             if opts.cost_model == "measured":
                 from autopar._src import measure
@@ -200,6 +237,7 @@ class AutoParallel:
                 batch_ids=batch_ids,
                 batch_size=batch_size,
                 device_ids=[d.id for d in devices],
+                tensor_parallel=opts.sharding == "auto",
                 **measured,
             )
         else:
@@ -215,11 +253,21 @@ class AutoParallel:
                 num_stages=opts.num_stages,
                 num_microbatches=nmb,
                 schedule=opts.schedule,
+                mesh_shape=opts.mesh_shape,
                 **common,
             )
         mb = batch_size // plan.num_microbatches if batch_size else 0
         program = partition.build_program(step, plan, batch_ids, mb)
         meshes = driver.stage_meshes(plan, devices)
+        shardings = []
+        if opts.sharding == "auto":
+            shardings = intra_op.solve_stages(
+                step,
+                program,
+                plan,
+                spec,
+                memory_budget=spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM),
+            )
         return driver.Executable(
             program=program,
             plan=plan,
@@ -227,6 +275,7 @@ class AutoParallel:
             meshes=meshes,
             batch_leaf_ids=tuple(batch_ids),
             donated_leaf_ids=_leaf_ids(args, opts.donate_argnums),
+            shardings=shardings,
         )
 
 

@@ -2,10 +2,13 @@
 
 Each task becomes one ``jax.jit`` with explicit in/out ``NamedSharding`` on its
 stage's mesh; tasks with the same structure (the same equations on the same
-stage, e.g. the forward of microbatches 1..B-2) share one executable. Values move
-between submeshes with ``jax.device_put`` to the destination mesh with the same
-partition spec, so both sides hold identical per-device blocks and the copy is
-asynchronous. Dispatch never waits on a device.
+stage, e.g. the forward of microbatches 1..B-2) share one executable. The layouts
+come from each stage's sharding ILP (:mod:`autopar._src.intra_op`), which also pins
+the outputs of the heavy equations inside the tasks; without one, the batch is split
+over ``"data"`` and the rest replicated. Values move between submeshes along a
+:class:`~autopar._src.transfers.Route`: every ``device_put`` copies identical
+per-device blocks, so no copy goes through the host and all are asynchronous.
+Dispatch never waits on a device.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar._src import compat, cost
+from autopar._src import compat, cost, transfers
+from autopar._src.intra_op import StageSharding
 from autopar._src.partition import Key, Op, Program, Run, Task
 from autopar._src.plan import Plan
 from autopar._src.trace import TracedStep
@@ -58,7 +62,7 @@ def _acc(op: Op, vals: list[Any]) -> Any:
     return vals[0]
 
 
-def _task_fn(task: Task) -> Callable[..., tuple[Any, ...]]:
+def _task_fn(task: Task, pins: dict[Key, NamedSharding]) -> Callable[..., tuple[Any, ...]]:
     ops, in_keys, out_keys = task.ops, task.in_keys, task.out_keys
 
     def fn(*args: Any) -> tuple[Any, ...]:
@@ -72,7 +76,7 @@ def _task_fn(task: Task) -> Callable[..., tuple[Any, ...]]:
             outs = compat.bind_eqn(op.eqn, vals) if op.kind == "eqn" else [_acc(op, vals)]
             for k, x in zip(op.outs, outs, strict=True):
                 if k is not None:
-                    env[k] = x
+                    env[k] = jax.lax.with_sharding_constraint(x, pins[k]) if k in pins else x
         return tuple(env[k] for k in out_keys)
 
     return fn
@@ -111,6 +115,8 @@ class Executable:
     meshes: list[Mesh]
     batch_leaf_ids: tuple[int, ...]
     donated_leaf_ids: tuple[int, ...] = ()
+    shardings: Sequence[StageSharding | None] = ()
+    """Per stage, the sharding ILP's answer (none: batch split over ``"data"``)."""
     fns: list[Callable[..., Any]] = dataclasses.field(default_factory=list)
     donated: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
     """Per task: the input positions its executable donates."""
@@ -130,12 +136,12 @@ class Executable:
             s_in = tuple(self.spec(k, t.stage) for k in t.in_keys)
             s_out = tuple(self.spec(k, t.stage) for k in t.out_keys)
             reusable = {k for k in t.in_keys if k[0] in donated_vars and k in last_read.get(ti, ())}
-            donate = _donatable(t, reusable)
+            donate = _donatable(t, reusable, s_in, s_out)
             sig = (_signature(t, s_in, s_out), donate)
             if sig not in cache:
                 mesh = self.meshes[t.stage]
                 cache[sig] = jax.jit(
-                    _task_fn(t),
+                    _task_fn(t, self._pins(t)),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
                     out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
                     donate_argnums=donate,
@@ -144,6 +150,9 @@ class Executable:
             self.donated.append(donate)
         self.num_compiled = len(cache)
         self._unstack: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._resharder = transfers.Resharder()
+        self.routes: dict[tuple[Key, int, int], transfers.Route] = {}
+        """The route of every stage-to-stage transfer, by ``(key, src, dst)``."""
         self._runs = [self._compile_instr(ins) for ins in self.program.instrs]
         self._shardings = {
             (key, s): self.sharding(key, s)
@@ -152,9 +161,26 @@ class Executable:
         }
 
     # -- shardings ---------------------------------------------------------------------------
+    def _stage_sharding(self, stage: int) -> StageSharding | None:
+        return self.shardings[stage] if stage < len(self.shardings) else None
+
+    def _pins(self, task: Task) -> dict[Key, NamedSharding]:
+        chosen = self._stage_sharding(task.stage)
+        if chosen is None:
+            return {}
+        return {
+            k: self.sharding(k, task.stage)
+            for op in task.ops
+            for k in op.outs
+            if k is not None and op.kind == "eqn" and k[0] in chosen.pinned
+        }
+
     def spec(self, key: Key, stage: int) -> PartitionSpec:
-        """Partition spec of ``key`` on ``stage``: the batch dim split over data."""
+        """Partition spec of ``key`` on ``stage``: the ILP's, else the batch dim split over data."""
         var, tag = key
+        chosen = self._stage_sharding(stage)
+        if chosen is not None and var in chosen.specs:
+            return PartitionSpec(*chosen.specs[var])
         if not isinstance(tag, int) or isinstance(tag, bool):
             return PartitionSpec()
         m = self.program.microbatch_size
@@ -177,7 +203,11 @@ class Executable:
                 tuple((k, t.stage) for k in t.out_keys),
                 ins.frees,
             )
-        return ("put", (ins.key, ins.src), (ins.key, ins.dst), self.sharding(ins.key, ins.dst), ins.frees)
+        aval = ins.key[0].aval
+        src, dst = self.sharding(ins.key, ins.src), self.sharding(ins.key, ins.dst)
+        route = transfers.plan_route(src, dst, tuple(aval.shape), aval.dtype.itemsize)
+        self.routes[(ins.key, ins.src, ins.dst)] = route
+        return ("put", (ins.key, ins.src), (ins.key, ins.dst), route, ins.frees)
 
     def _place_inputs(self, leaves: Sequence[Any]) -> dict[tuple[Key, int], Any]:
         env: dict[tuple[Key, int], Any] = {}
@@ -198,6 +228,8 @@ class Executable:
                     target = self._shardings[(key, s)]
                     if isinstance(leaf, jax.Array) and leaf.sharding == target:
                         env[(key, s)] = leaf  # already in place: the state a step returned
+                    elif isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding):
+                        env[(key, s)] = transfers.place(leaf, target, self._resharder)
                     else:
                         direct.append(((key, s), leaf, target))
                 else:
@@ -243,7 +275,7 @@ class Executable:
                 for loc, x in zip(c, outs, strict=True):
                     env[loc] = x
             else:
-                env[b] = jax.device_put(env[a], c)
+                env[b] = self._resharder.move(env[a], c)
             for loc in frees:
                 del env[loc]
         return [self._output(k, leaves, env) for k in self.program.output_keys]
@@ -270,21 +302,23 @@ def _is_accumulator(key: Key) -> bool:
     return isinstance(tag, tuple) and tag[0] == "acc"
 
 
-def _donatable(task: Task, reusable: set[Key]) -> tuple[int, ...]:
-    """Inputs whose buffers an output of the same shape and dtype can reuse.
+def _donatable(
+    task: Task, reusable: set[Key], specs_in: Sequence[PartitionSpec], specs_out: Sequence[PartitionSpec]
+) -> tuple[int, ...]:
+    """Inputs whose buffers an output of the same shape, dtype and layout can reuse.
 
     Donated arguments read here for the last time (``reusable``) are matched to
     outputs first, since the caller asked for them; then accumulators.
     """
     free_outputs: dict[tuple[Any, ...], int] = {}
-    for k in task.out_keys:
-        sig = (tuple(k[0].aval.shape), str(k[0].aval.dtype))
+    for k, spec in zip(task.out_keys, specs_out, strict=True):
+        sig = (tuple(k[0].aval.shape), str(k[0].aval.dtype), spec)
         free_outputs[sig] = free_outputs.get(sig, 0) + 1
     donate = []
     for wanted in (lambda k: k in reusable, _is_accumulator):
-        for i, k in enumerate(task.in_keys):
+        for i, (k, spec) in enumerate(zip(task.in_keys, specs_in, strict=True)):
             aval = k[0].aval
-            sig = (tuple(aval.shape), str(aval.dtype))
+            sig = (tuple(aval.shape), str(aval.dtype), spec)
             if i not in donate and wanted(k) and free_outputs.get(sig, 0) > 0:
                 free_outputs[sig] -= 1
                 donate.append(i)

@@ -124,33 +124,24 @@ def spec_name(spec: Spec) -> str:
 
 
 def candidate_specs(shape: Sequence[int], mesh: MeshSpec) -> list[Spec]:
-    """Replicated, each axis on the first and last dim, and on a 2-D mesh both at once."""
-    rank, axes = len(shape), split_axes(mesh)
-    specs: list[Spec] = [(None,) * rank]
-    ends = sorted({0, rank - 1}) if rank else []
-    for axis in axes:
-        for d in ends:
-            if divides(shape, d, axis, mesh):
-                specs.append(tuple(axis if i == d else None for i in range(rank)))
-    if (
-        len(axes) >= 2
-        and rank >= 2
-        and divides(shape, 0, axes[0], mesh)
-        and divides(shape, -1, axes[-1], mesh)
-    ):
-        specs.append((axes[0],) + (None,) * (rank - 2) + (axes[-1],))
-    return specs
-
-
-def all_specs(shape: Sequence[int], mesh: MeshSpec) -> list[Spec]:
-    """Replicated, every axis on every dim it divides, and the 2-D candidate."""
+    """Replicated, each axis on each dim it divides, and on a 2-D mesh the first axis on dim 0
+    with the last axis on any other dim (batch by data, heads or features by model)."""
     rank, axes = len(shape), split_axes(mesh)
     specs: list[Spec] = [(None,) * rank]
     for axis in axes:
         for d in range(rank):
             if divides(shape, d, axis, mesh):
                 specs.append(tuple(axis if i == d else None for i in range(rank)))
-    return list(dict.fromkeys(specs + candidate_specs(shape, mesh)))
+    if len(axes) >= 2 and rank >= 2 and divides(shape, 0, axes[0], mesh):
+        for d in range(1, rank):
+            if divides(shape, d, axes[-1], mesh):
+                specs.append(tuple(axes[0] if i == 0 else axes[-1] if i == d else None for i in range(rank)))
+    return specs
+
+
+def all_specs(shape: Sequence[int], mesh: MeshSpec) -> list[Spec]:
+    """The layouts an input may take: those of :func:`candidate_specs`."""
+    return candidate_specs(shape, mesh)
 
 
 def broadcast_spec(spec: Spec, out_shape: Sequence[int], in_shape: Sequence[int]) -> Spec:

@@ -8,6 +8,7 @@ the number of microbatches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,20 +89,35 @@ def uniform_plan(
     num_stages: int,
     num_microbatches: int,
     schedule: str,
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> tuple[trace.TracedStep, Plan]:
-    """``num_stages`` FLOP-balanced layers, one per stage, on equal data-parallel submeshes."""
+    """``num_stages`` FLOP-balanced layers, one per stage, on equal submeshes.
+
+    Each stage's logical mesh is ``mesh_shape`` (``(data,)`` or ``(data, model)``), by
+    default all of its devices on ``"data"``.
+
+    Raises:
+      ValueError: if ``mesh_shape`` does not hold each stage's devices.
+    """
+    per = len(devices) // num_stages
+    shape = (per,) if mesh_shape is None else tuple(mesh_shape)
+    if math.prod(shape) != per:
+        raise ValueError(
+            f"mesh_shape={shape} holds {math.prod(shape)} devices but each of the {num_stages} stages "
+            f"has {per}; choose a mesh_shape whose product is {per}"
+        )
+    axes = (DATA_AXIS, "model")[: len(shape)]
     rows = batch_size // num_microbatches if batch_size else 0
     step = trace_at(fn, args, batch_ids, rows, trace.TraceOptions(num_layers=num_stages))
     _require_region(step, num_microbatches, num_stages)
     cuts, flops, fingerprint = _region_layers(step)
     prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None
-    per = len(devices) // num_stages
     stage_plans = tuple(
         StagePlan(
             layers=(i, i + 1),
             device_ids=tuple(d.id for d in devices[i * per : (i + 1) * per]),
-            mesh_shape=(per,),
-            axis_names=(DATA_AXIS,),
+            mesh_shape=shape,
+            axis_names=axes,
             forward_flops=flops[i],
             **_stage_details(step, args, prof, (i, i + 1), "replicated"),
         )

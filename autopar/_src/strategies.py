@@ -12,7 +12,7 @@ axis the dim is split over, or ``None``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -390,32 +390,48 @@ def _inputs(jaxpr: Any) -> tuple[Any, list[Any]]:
     return body, [*body.constvars, *body.invars]
 
 
-def build_graph(
-    jaxpr: Any, mesh: MeshSpec
-) -> tuple[tuple[Node, ...], tuple[Edge, ...], dict[Any, tuple[Spec, ...]]]:
-    """The strategy graph of a jaxpr for :func:`~autopar._src.sharding_ilp.solve`.
+class GraphOp(NamedTuple):
+    """One equation as the strategy graph sees it: which values it reads and makes."""
 
-    Nodes come in order: one per jaxpr input (constvars, then invars; named ``input{k}``,
-    strategies replicated or split over each axis on each dim it divides, memory its bytes
-    per device), then one per equation (``eqn{j}:{primitive}``). An edge joins a producer and
-    a consumer of a variable; its cost is the resharding seconds from the producer strategy's
-    output spec to the spec the consumer strategy needs (summed when a consumer reads several
-    values of one producer). Literals get no node and no edge.
+    eqn: Any
+    """The jaxpr equation (its primitive, params and avals give the strategies)."""
+    ins: tuple[Any, ...]
+    """Per invar, the value read (a hashable name), or None for a literal."""
+    outs: tuple[Any, ...]
+    """Per outvar, the value made, or None for a dropped output."""
+    weight: int = 1
+    """How many times the equation runs per step (its costs are multiplied by this)."""
 
-    Args:
-      jaxpr: a ``ClosedJaxpr`` (as from ``jax.make_jaxpr``) or an open ``Jaxpr``.
-      mesh: the logical mesh.
+
+def graph_of(
+    ops: Sequence[GraphOp],
+    mesh: MeshSpec,
+    inputs: Sequence[Any] = (),
+    carried: Mapping[Any, Any] | None = None,
+) -> tuple[tuple[Node, ...], tuple[Edge, ...], dict[Any, tuple[int, int]]]:
+    """The strategy graph of a sequence of equations over named values.
+
+    ``inputs`` get nodes first (strategies replicated or split over each axis on each dim it
+    divides, memory their bytes per device); a value read before any op made it gets an input
+    node at its first read. Then one node per op (``eqn{j}:{primitive}``). An edge joins a
+    producer and a consumer of a value; its cost is the resharding seconds from the producer
+    strategy's output spec to the spec the consumer strategy needs (summed when a consumer
+    reads several values of one producer), times the consumer's weight. ``carried`` maps a
+    value to the input it becomes at the next step (the new parameters to the parameters):
+    an edge between their nodes prices resharding one into the other once per step.
 
     Returns:
-      ``(nodes, edges, var_specs)``; ``var_specs`` maps each variable to its spec under each
-      strategy of its producing node, in that node's strategy order.
+      ``(nodes, edges, producer)``; ``producer`` maps each value to ``(node, output index)``.
     """
-    body, inputs = _inputs(jaxpr)
     nodes: list[Node] = []
     producer: dict[Any, tuple[int, int]] = {}
-    for k, v in enumerate(inputs):
-        producer[v] = (len(nodes), 0)
-        nodes.append(Node(name=f"input{k}", strategies=_input_strategies(v, mesh)))
+
+    def add_input(name: Any, var: Any) -> None:
+        producer[name] = (len(nodes), 0)
+        nodes.append(Node(name=f"input{len(nodes)}", strategies=_input_strategies(var, mesh)))
+
+    for name in inputs:
+        add_input(name, name)
     costs: dict[tuple[int, int], np.ndarray] = {}
     cache: dict[tuple[Any, ...], float] = {}
     link = [
@@ -427,15 +443,21 @@ def build_graph(
             cache[key] = resharding_cost(*key, *link)
         return cache[key]
 
-    for j, eqn in enumerate(body.eqns):
+    for j, op in enumerate(ops):
+        for name, v in zip(op.ins, op.eqn.invars, strict=True):
+            if name is not None and name not in producer:
+                add_input(name, v)
         dst = len(nodes)
-        node = Node(name=f"eqn{j}:{eqn.primitive.name}", strategies=eqn_strategies(eqn, mesh))
-        for k, v in enumerate(eqn.invars):
-            if compat.is_literal(v) or v not in producer:
+        strategies = eqn_strategies(op.eqn, mesh)
+        if op.weight != 1:
+            strategies = tuple(_scaled(s, op.weight) for s in strategies)
+        node = Node(name=f"eqn{j}:{op.eqn.primitive.name}", strategies=strategies)
+        for k, (name, v) in enumerate(zip(op.ins, op.eqn.invars, strict=True)):
+            if name is None:
                 continue
-            src, out_index = producer[v]
+            src, out_index = producer[name]
             shape, itemsize = shape_of(v), cost.aval_bytes(v.aval) // max(math.prod(shape_of(v)), 1)
-            matrix = np.array(
+            matrix = op.weight * np.array(
                 [
                     [
                         reshard(s.output_specs[out_index], t.input_specs[k], shape, itemsize)
@@ -445,13 +467,71 @@ def build_graph(
                 ]
             )
             costs[(src, dst)] = costs[(src, dst)] + matrix if (src, dst) in costs else matrix
-        for k, v in enumerate(eqn.outvars):
-            if not compat.is_dropvar(v):
-                producer[v] = (dst, k)
+        for k, name in enumerate(op.outs):
+            if name is not None:
+                producer[name] = (dst, k)
         nodes.append(node)
+    for out_name, in_name in (carried or {}).items():
+        if out_name not in producer or in_name not in producer:
+            continue
+        (src, k), (dst, _) = producer[out_name], producer[in_name]
+        if src == dst:
+            continue
+        shape = shape_of(in_name)
+        itemsize = cost.aval_bytes(in_name.aval) // max(math.prod(shape), 1)
+        matrix = np.array(
+            [
+                [
+                    reshard(s.output_specs[k], t.output_specs[0], shape, itemsize)
+                    for t in nodes[dst].strategies
+                ]
+                for s in nodes[src].strategies
+            ]
+        )
+        a, b = min(src, dst), max(src, dst)
+        matrix = matrix if src < dst else matrix.T
+        costs[(a, b)] = costs[(a, b)] + matrix if (a, b) in costs else matrix
     edges = tuple(Edge(src=src, dst=dst, cost=m) for (src, dst), m in costs.items())
+    return tuple(nodes), edges, producer
+
+
+def _scaled(s: Strategy, weight: int) -> Strategy:
+    return Strategy(
+        name=s.name,
+        compute_cost=s.compute_cost * weight,
+        communication_cost=s.communication_cost * weight,
+        memory_bytes=s.memory_bytes,
+        output_specs=s.output_specs,
+        input_specs=s.input_specs,
+    )
+
+
+def build_graph(
+    jaxpr: Any, mesh: MeshSpec
+) -> tuple[tuple[Node, ...], tuple[Edge, ...], dict[Any, tuple[Spec, ...]]]:
+    """The strategy graph of a jaxpr for :func:`~autopar._src.sharding_ilp.solve`.
+
+    Nodes come in order: one per jaxpr input (constvars, then invars; named ``input{k}``),
+    then one per equation (``eqn{j}:{primitive}``); see :func:`graph_of`. Literals get no
+    node and no edge.
+
+    Args:
+      jaxpr: a ``ClosedJaxpr`` (as from ``jax.make_jaxpr``) or an open ``Jaxpr``.
+      mesh: the logical mesh.
+
+    Returns:
+      ``(nodes, edges, var_specs)``; ``var_specs`` maps each variable to its spec under each
+      strategy of its producing node, in that node's strategy order.
+    """
+    body, inputs = _inputs(jaxpr)
+
+    def name(v: Any) -> Any:
+        return None if compat.is_literal(v) or compat.is_dropvar(v) else v
+
+    ops = [GraphOp(e, tuple(map(name, e.invars)), tuple(map(name, e.outvars))) for e in body.eqns]
+    nodes, edges, producer = graph_of(ops, mesh, inputs)
     var_specs = {v: tuple(s.output_specs[k] for s in nodes[i].strategies) for v, (i, k) in producer.items()}
-    return tuple(nodes), edges, var_specs
+    return nodes, edges, var_specs
 
 
 def specs_of(solution_choices: Sequence[int], nodes: Sequence[Node], jaxpr: Any) -> dict[Any, Spec]:

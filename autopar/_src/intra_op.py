@@ -1,0 +1,301 @@
+"""Per-stage intra-operator sharding: the ILP over one stage's equations, read back as specs.
+
+A stage runs its equations on a logical mesh (``("data",)`` or ``("data", "model")``).
+:func:`solve_stage` builds the strategy graph of every equation the stage runs (forward and
+backward of its layers, per microbatch, and its share of the once-per-step update), solves
+the ILP and returns one spec per value. The driver turns those specs into the ``NamedSharding``
+of every task input and output on the stage and pins the outputs of the heavy equations
+(matmuls, convolutions, gathers, reductions) with ``with_sharding_constraint``; XLA's
+partitioner does the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+
+from autopar._src import cluster as cluster_mod
+from autopar._src import compat, layers
+from autopar._src.layout_costs import MeshSpec, share_bytes
+from autopar._src.partition import Program, Transfer
+from autopar._src.plan import Plan, StagePlan
+from autopar._src.sharding_ilp import Node, Spec, expand, merge_forced, solve
+from autopar._src.strategies import REDUCTION_PRIMITIVES, GraphOp, graph_of
+from autopar._src.trace import TracedStep
+
+PINNED_PRIMITIVES: frozenset[str] = frozenset(
+    {"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter_add"} | REDUCTION_PRIMITIVES
+)
+"""Equations whose output layout the driver pins; XLA propagates the rest from them."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class StageSharding:
+    """The ILP's answer for one stage."""
+
+    mesh: MeshSpec
+    """The logical mesh it was solved for."""
+    specs: dict[Any, Spec]
+    """Spec of every value the stage reads or makes (jaxpr variables)."""
+    pinned: frozenset[Any]
+    """Values whose spec is pinned inside the stage's executables."""
+    strategies: dict[Any, str]
+    """Name of the strategy chosen for the equation that makes each value, e.g. ``column[model]``."""
+    objective: float
+    """Predicted seconds per step of the stage's computation and communication."""
+    status: str
+    """The solver's status (``optimal``, ``time_limit`` or ``fallback``)."""
+    solve_seconds: float
+    """Seconds spent building and solving the problem."""
+    num_nodes: int
+    """Nodes of the strategy graph (inputs and equations) before merging."""
+    num_variables: int
+    """Nodes left after forced choices were merged: the ILP's decision groups."""
+
+
+def mesh_spec(cluster: cluster_mod.ClusterSpec, stage: StagePlan, dtype: str = "float32") -> MeshSpec:
+    """The logical mesh of ``stage`` with each axis priced by the links it spans.
+
+    Devices are laid out in mesh order, the last axis fastest, so an axis of size ``s`` whose
+    inner axes hold ``k`` devices spans ``s * k`` consecutive devices: within one host while
+    that fits, else across hosts (inter-host links).
+    """
+    per_host = cluster.devices_per_host
+    bandwidth, latency = [], []
+    for i, size in enumerate(stage.mesh_shape):
+        span = size * math.prod(stage.mesh_shape[i + 1 :])
+        submesh = (1, span) if span <= per_host else (math.ceil(span / per_host), per_host)
+        link = cluster_mod.link_for(cluster, submesh)
+        bandwidth.append(link.bandwidth)
+        latency.append(link.latency)
+    return MeshSpec(
+        axis_names=stage.axis_names,
+        axis_sizes=stage.mesh_shape,
+        bandwidth=tuple(bandwidth),
+        latency=tuple(latency),
+        peak_flops=cluster.device.flops(dtype),
+        memory_bandwidth=cluster.device.memory_bandwidth,
+    )
+
+
+def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, Any]]:
+    """The equations ``stage`` runs, each once with how many times per step, and value aliases.
+
+    Values are jaxpr variables. An accumulator (the running sum of a gradient over
+    microbatches, and its mean) has the layout of the value it sums, and a layer boundary
+    marker's outputs those of its operands, so they are aliases of them.
+    """
+    count: dict[int, int] = {}
+    for t in program.tasks:
+        if t.stage == stage:
+            for op in t.ops:
+                if op.kind == "eqn":
+                    count[id(op.eqn)] = count.get(id(op.eqn), 0) + 1
+    alias: dict[Any, Any] = {}
+
+    def resolve(k: Any) -> Any:
+        if not isinstance(k, tuple):
+            return None
+        v = k[0]
+        while v in alias:
+            v = alias[v]
+        return v
+
+    ops: list[GraphOp] = []
+    seen: set[int] = set()
+    for t in program.tasks:
+        if t.stage != stage:
+            continue
+        for op in t.ops:
+            if op.kind == "acc":
+                sources = [k for k in op.ins if isinstance(k, tuple) and k[0] is not op.outs[0][0]]
+                if sources and resolve(sources[0]) is not op.outs[0][0]:
+                    alias[op.outs[0][0]] = resolve(sources[0])
+            elif layers.is_boundary(op.eqn):  # an identity: its outputs are its operands
+                for k_in, k_out in zip(op.ins, op.outs, strict=True):
+                    if isinstance(k_in, tuple) and k_out is not None and resolve(k_in) is not k_out[0]:
+                        alias[k_out[0]] = resolve(k_in)
+            elif id(op.eqn) not in seen:
+                seen.add(id(op.eqn))
+                ins = tuple(resolve(k) for k in op.ins)
+                outs = tuple(None if k is None else resolve(k) for k in op.outs)
+                ops.append(GraphOp(op.eqn, ins, outs, count[id(op.eqn)]))
+    return ops, alias
+
+
+def solve_stage(
+    program: Program,
+    stage: int,
+    mesh: MeshSpec,
+    *,
+    memory_budget: float | None = None,
+    time_limit: float = 30.0,
+    carried: dict[Any, Any] | None = None,
+) -> StageSharding:
+    """Solves the sharding ILP of ``stage`` on ``mesh``.
+
+    The memory row counts the stage's inputs per device: parameters, optimizer state,
+    the batch and the activations that arrive from other stages. Temporaries are left to
+    the stage DP's memory model, so ``memory_budget`` should be what remains of a device
+    for them. ``carried`` (see :func:`carried_state`) ties the step's new state to the
+    state it replaces, so that they are laid out alike.
+
+    Raises:
+      ValueError: if no sharding of the inputs fits ``memory_budget``.
+    """
+    start = time.perf_counter()
+    ops, alias = stage_ops(program, stage)
+    nodes, edges, producer = graph_of(ops, mesh, carried=carried)
+    made = {name for op in ops for name in op.outs if name is not None}
+    inputs = {producer[name][0] for name in producer if name not in made}
+    nodes = tuple(n if i in inputs else _without_memory(n) for i, n in enumerate(nodes))
+    nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)
+    reduced, reduced_edges, mapping = merge_forced(nodes, edges)
+    solution = expand(
+        solve(reduced, reduced_edges, memory_budget=memory_budget, time_limit=time_limit), mapping
+    )
+    specs = {
+        name: nodes[i].strategies[solution.choices[i]].output_specs[k] for name, (i, k) in producer.items()
+    }
+    for v in alias:
+        root = v
+        while root in alias:
+            root = alias[root]
+        if root in specs:
+            specs[v] = specs[root]
+    strategies = {
+        name: nodes[i].strategies[solution.choices[i]].name
+        for name, (i, _) in producer.items()
+        if name in made
+    }
+    pinned = frozenset(
+        name
+        for op in ops
+        if op.eqn.primitive.name in PINNED_PRIMITIVES
+        for name in op.outs
+        if name is not None
+    )
+    return StageSharding(
+        mesh=mesh,
+        specs=specs,
+        pinned=pinned,
+        strategies=strategies,
+        objective=solution.objective,
+        status=solution.status,
+        solve_seconds=time.perf_counter() - start,
+        num_nodes=len(nodes),
+        num_variables=len(reduced),
+    )
+
+
+def _transfer_counts(program: Program, stage: int, alias: dict[Any, Any]) -> dict[Any, int]:
+    """How many copies of each value leave or reach ``stage`` per step (the batch included)."""
+    counts: dict[Any, int] = {}
+    for ins in program.instrs:
+        if isinstance(ins, Transfer) and stage in (ins.src, ins.dst):
+            v = ins.key[0]
+            while v in alias:
+                v = alias[v]
+            counts[v] = counts.get(v, 0) + 1
+    for key, stages in program.input_stages.items():  # the batch: copied in every step
+        if stage in stages and isinstance(key[1], int) and not isinstance(key[1], bool):
+            counts[key[0]] = counts.get(key[0], 0) + 1
+    return counts
+
+
+def _with_transfers(
+    nodes: tuple[Node, ...], producer: dict[Any, tuple[int, int]], counts: dict[Any, int], mesh: MeshSpec
+) -> tuple[Node, ...]:
+    """Charges each strategy of a value's producer for copying its block to or from other stages.
+
+    The copy moves each device's block over the slowest link of the mesh, so values that
+    cross stages prefer split layouts.
+    """
+    extra: dict[int, list[float]] = {}
+    bandwidth = min(mesh.bandwidth)
+    for v, n in counts.items():
+        if v not in producer:
+            continue
+        i, k = producer[v]
+        per = [n * share_bytes(v, s.output_specs[k], mesh) / bandwidth for s in nodes[i].strategies]
+        extra[i] = [a + b for a, b in zip(extra.get(i, [0.0] * len(per)), per, strict=True)]
+    return tuple(
+        Node(
+            name=node.name,
+            strategies=tuple(
+                dataclasses.replace(s, communication_cost=s.communication_cost + c)
+                for s, c in zip(node.strategies, extra[i], strict=True)
+            ),
+        )
+        if i in extra
+        else node
+        for i, node in enumerate(nodes)
+    )
+
+
+def carried_state(step: TracedStep) -> dict[Any, Any]:
+    """Output var -> the input var it replaces at the next step.
+
+    An output at the same pytree path as an input (e.g. ``[0].params['w']`` of
+    ``step(state, batch) -> (state, loss)``), with the same shape and dtype, is the next
+    value of that input.
+    """
+    in_leaves = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(step.in_tree, range(step.in_tree.num_leaves))
+    )[0]
+    out_leaves = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(step.out_tree, range(step.out_tree.num_leaves))
+    )[0]
+    by_path = {jax.tree_util.keystr(p): step.arg_vars[i] for p, i in in_leaves}
+    pairs = {}
+    for p, i in out_leaves:
+        out_var, in_var = step.jaxpr.outvars[i], by_path.get(jax.tree_util.keystr(p))
+        if (
+            in_var is not None
+            and not compat.is_literal(out_var)
+            and out_var is not in_var
+            and out_var.aval.shape == in_var.aval.shape
+            and out_var.aval.dtype == in_var.aval.dtype
+        ):
+            pairs[out_var] = in_var
+    return pairs
+
+
+def _without_memory(node: Node) -> Node:
+    return Node(
+        name=node.name,
+        strategies=tuple(dataclasses.replace(s, memory_bytes=0.0) for s in node.strategies),
+    )
+
+
+def solve_stages(
+    step: TracedStep,
+    program: Program,
+    plan: Plan,
+    cluster: cluster_mod.ClusterSpec,
+    *,
+    memory_budget: float | None = None,
+    time_limit: float = 30.0,
+) -> list[StageSharding | None]:
+    """:func:`solve_stage` for every stage of ``plan`` with more than one device (None for others)."""
+    result: list[StageSharding | None] = []
+    carried = carried_state(step)
+    for i, st in enumerate(plan.stages):
+        if len(st.device_ids) == 1:
+            result.append(None)
+            continue
+        result.append(
+            solve_stage(
+                program,
+                i,
+                mesh_spec(cluster, st),
+                memory_budget=memory_budget,
+                time_limit=time_limit,
+                carried=carried,
+            )
+        )
+    return result

@@ -1,0 +1,155 @@
+"""Moving arrays between submeshes without a trip through host memory.
+
+``jax.device_put`` from one mesh to another is a device-to-device copy only when every
+block the destination needs is a block the source already holds; otherwise JAX gathers the
+array on the host. A :class:`Route` makes every copy between two layouts with identical
+per-device blocks (the same list of blocks, device by device in mesh order, when both meshes
+have as many devices; every destination block a source block otherwise):
+
+1. reshard on the source mesh to the ``send`` layout (a collective inside one ``jit``),
+2. ``device_put`` from ``send`` to ``recv`` (block for block),
+3. reshard on the destination mesh from ``recv`` to the layout wanted there.
+
+Candidates: the destination's layout built on the source mesh (reshard first, send its
+blocks), the source's layout built on the destination mesh (send, then reshard), and flat
+layouts that cut one dim into as many blocks as both meshes can hold. The cheapest by bytes
+moved (the block that crosses, plus the blocks each reshard touches) wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+WIRE_AXES = ("wire", "copies")
+"""Axis names of the flat layouts a transfer may use."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Route:
+    """How one array goes from ``src`` to ``dst``."""
+
+    src: NamedSharding
+    """Layout on the source mesh."""
+    send: NamedSharding
+    """Layout on the source mesh that is copied (``src`` when no reshard is needed first)."""
+    recv: NamedSharding
+    """Layout it arrives in on the destination mesh, block for block the same as ``send``."""
+    dst: NamedSharding
+    """Layout wanted on the destination mesh (``recv`` when no reshard is needed after)."""
+    cost: float
+    """Bytes moved per device: the block that crosses plus the blocks the reshards touch."""
+
+    @property
+    def reshard_before(self) -> bool:
+        """Whether the source reshards before the copy."""
+        return not _same_layout(self.src, self.send)
+
+    @property
+    def reshard_after(self) -> bool:
+        """Whether the destination reshards after the copy."""
+        return not _same_layout(self.recv, self.dst)
+
+
+def blocks(sharding: NamedSharding, shape: tuple[int, ...]) -> list[tuple[tuple[int, int], ...]]:
+    """The block of an array of ``shape`` on each device of the mesh, in mesh order."""
+    index_map = sharding.devices_indices_map(shape)
+    return [
+        tuple(s.indices(n)[:2] for s, n in zip(index_map[d], shape, strict=True))
+        for d in sharding.mesh.devices.flat
+    ]
+
+
+def same_blocks(a: NamedSharding, b: NamedSharding, shape: tuple[int, ...]) -> bool:
+    """Whether ``a`` and ``b`` put the same block on the k-th device of their meshes, for every k."""
+    return blocks(a, shape) == blocks(b, shape)
+
+
+def _same_layout(a: NamedSharding, b: NamedSharding) -> bool:
+    return a is b or (a.mesh == b.mesh and a.spec == b.spec)
+
+
+def _block_bytes(sharding: NamedSharding, shape: tuple[int, ...], itemsize: int) -> float:
+    return float(math.prod(sharding.shard_shape(shape))) * itemsize
+
+
+def _flat(mesh: Mesh, pieces: int, dim: int | None, rank: int) -> NamedSharding:
+    grid = mesh.devices.reshape(pieces, -1)
+    spec = [None] * rank
+    if dim is not None:
+        spec[dim] = WIRE_AXES[0]
+    return NamedSharding(Mesh(grid, WIRE_AXES), PartitionSpec(*spec))
+
+
+def plan_route(src: NamedSharding, dst: NamedSharding, shape: tuple[int, ...], itemsize: int) -> Route:
+    """The cheapest route for an array of ``shape`` from ``src`` to ``dst`` (see the module doc)."""
+    n_src, n_dst = src.mesh.devices.size, dst.mesh.devices.size
+    candidates: list[tuple[NamedSharding, NamedSharding]] = []
+    if n_src == n_dst and same_blocks(src, dst, shape):
+        candidates.append((src, dst))
+    if dict(src.mesh.shape) == dict(dst.mesh.shape) and list(src.mesh.shape) == list(dst.mesh.shape):
+        candidates.append((NamedSharding(src.mesh, dst.spec), dst))
+        candidates.append((src, NamedSharding(dst.mesh, src.spec)))
+    common = math.gcd(n_src, n_dst)
+    for pieces in sorted({p for p in range(1, common + 1) if common % p == 0}, reverse=True):
+        dims = [d for d in range(len(shape)) if shape[d] % pieces == 0 and shape[d] >= pieces]
+        if pieces == 1:
+            candidates.append((_flat(src.mesh, 1, None, len(shape)), _flat(dst.mesh, 1, None, len(shape))))
+        elif dims:
+            d = max(dims, key=lambda k: shape[k])
+            candidates.append(
+                (_flat(src.mesh, pieces, d, len(shape)), _flat(dst.mesh, pieces, d, len(shape)))
+            )
+            break
+
+    def cost(send: NamedSharding, recv: NamedSharding) -> float:
+        total = _block_bytes(send, shape, itemsize)
+        if not _same_layout(src, send):
+            total += max(_block_bytes(src, shape, itemsize), _block_bytes(send, shape, itemsize))
+        if not _same_layout(recv, dst):
+            total += max(_block_bytes(recv, shape, itemsize), _block_bytes(dst, shape, itemsize))
+        return total
+
+    send, recv = min(candidates, key=lambda c: cost(*c))
+    return Route(src=src, send=send, recv=recv, dst=dst, cost=cost(send, recv))
+
+
+class Resharder:
+    """Cached identity ``jit``\\ s that lay an array out anew on the mesh it lives on."""
+
+    def __init__(self) -> None:
+        self._fns: dict[tuple[Any, ...], Callable[[Any], Any]] = {}
+
+    def __call__(self, x: Any, target: NamedSharding) -> Any:
+        key = (target, tuple(x.shape), str(x.dtype))
+        if key not in self._fns:
+            self._fns[key] = jax.jit(lambda a: a, out_shardings=target)
+        return self._fns[key](x)
+
+    def move(self, x: Any, route: Route) -> Any:
+        """Sends ``x`` (laid out as ``route.src``) along ``route``; asynchronous like ``device_put``."""
+        if route.reshard_before:
+            x = self(x, route.send)
+        x = jax.device_put(x, route.recv)
+        return self(x, route.dst) if route.reshard_after else x
+
+
+def place(x: Any, target: NamedSharding, resharder: Resharder) -> Any:
+    """``x`` laid out as ``target``: resharded on its devices, routed between meshes, or put from host."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or not isinstance(sharding, NamedSharding):
+        return jax.device_put(x, target)
+    if sharding == target:
+        return x
+    if sharding.mesh.devices.size == target.mesh.devices.size and list(sharding.mesh.devices.flat) == list(
+        target.mesh.devices.flat
+    ):
+        return resharder(x, target)
+    itemsize = np.dtype(x.dtype).itemsize
+    return resharder.move(x, plan_route(sharding, target, tuple(x.shape), itemsize))
