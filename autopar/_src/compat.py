@@ -58,6 +58,17 @@ def is_call(eqn: Any) -> bool:
     return eqn.primitive.name in _CALL_PRIMITIVES and "jaxpr" in eqn.params
 
 
+def sub_jaxprs(eqn: Any) -> list[Any]:
+    """The open jaxprs an equation carries in its params (call bodies, custom rules' primals)."""
+    found = []
+    for value in eqn.params.values():
+        if hasattr(value, "eqns"):
+            found.append(value)
+        elif hasattr(getattr(value, "jaxpr", None), "eqns"):
+            found.append(value.jaxpr)
+    return found
+
+
 def call_body(eqn: Any) -> tuple[Any, list[Any]]:
     """The body jaxpr and constants of a nested ``jit`` call equation."""
     body = eqn.params["jaxpr"]

@@ -161,9 +161,12 @@ def _conv(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
 def _gather(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     dn, table_shape = eqn.params["dimension_numbers"], shape_of(eqn.invars[0])
     out_rank, idx_rank = len(shape_of(eqn.outvars[0])), len(shape_of(eqn.invars[1]))
-    if dn.operand_batching_dims:
-        return replicated_strategies(eqn, mesh)
     batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    if dn.operand_batching_dims:  # take_along_axis: operand and indices share a leading batch dim
+        if tuple(dn.operand_batching_dims[:1]) != (0,) or tuple(dn.start_indices_batching_dims[:1]) != (0,):
+            return replicated_strategies(eqn, mesh)
+        pieces = {"batch": _Piece(((0, 0), (1, 0)), batch_out[0])} if batch_out else {}
+        return _from_pieces(eqn, mesh, pieces, _standard_plans(mesh, "batch", ()), weight=0)
     pieces: dict[str, _Piece] = {}
     if idx_rank >= 2 and batch_out:  # indices' leading batch dim; the table stays whole
         pieces["indices"] = _Piece(((1, 0),), batch_out[0])
@@ -175,6 +178,13 @@ def _gather(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     ):  # embedding lookup: rows (vocab) split with masked lookup + all-reduce, or columns split
         pieces["vocab"] = _Piece(((0, 0),), None, "allreduce")
         pieces["embed"] = _Piece(((0, len(table_shape) - 1),), dn.offset_dims[-1])
+    # An operand dim taken whole (e.g. the rows of ``x[:, 0]``) maps to an offset dim of the output.
+    kept = [d for d in range(len(table_shape)) if d not in dn.collapsed_slice_dims]
+    for i, d in enumerate(kept):
+        whole = eqn.params["slice_sizes"][d] == table_shape[d] and d not in dn.start_index_map
+        if whole and table_shape[d] > 1 and i < len(dn.offset_dims) and "indices" not in pieces:
+            pieces["indices"] = _Piece(((0, d),), dn.offset_dims[i])
+            break
     plans = _standard_plans(mesh, "indices", ("vocab", "embed"))
     return _from_pieces(eqn, mesh, pieces, plans, weight=0)
 
@@ -183,6 +193,15 @@ def _scatter_add(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     dn = eqn.params["dimension_numbers"]
     table_shape, upd_shape = shape_of(eqn.invars[0]), shape_of(eqn.invars[2])
     upd_batch = [d for d in range(len(upd_shape)) if d not in dn.update_window_dims]
+    if dn.operand_batching_dims:  # the transpose of take_along_axis: one shared batch dim
+        if (
+            tuple(dn.operand_batching_dims[:1]) != (0,)
+            or tuple(dn.scatter_indices_batching_dims[:1]) != (0,)
+            or not upd_batch
+        ):
+            return replicated_strategies(eqn, mesh)
+        pieces = {"batch": _Piece(((0, 0), (1, 0), (2, upd_batch[0])), 0)}
+        return _from_pieces(eqn, mesh, pieces, _standard_plans(mesh, "batch", ()))
     if not (
         tuple(dn.inserted_window_dims) == (0,)
         and tuple(dn.scatter_dims_to_operand_dims) == (0,)
@@ -335,6 +354,25 @@ def _reduction(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     return tuple(result)
 
 
+def _elementwise_call(eqn: Any) -> bool:
+    """Whether ``eqn`` calls a body (``custom_jvp`` activations, nested ``jit``) that is elementwise.
+
+    Every equation of the body (recursively) is elementwise, and every operand has the output's
+    shape or is a scalar.
+    """
+    bodies = compat.sub_jaxprs(eqn)
+    if not bodies or len(eqn.outvars) != 1:
+        return False
+    out_shape = shape_of(eqn.outvars[0])
+    if any(shape_of(v) not in (out_shape, ()) for v in eqn.invars):
+        return False
+    for body in bodies:
+        for inner in body.eqns:
+            if inner.primitive.name not in ELEMENTWISE_PRIMITIVES and not _elementwise_call(inner):
+                return False
+    return True
+
+
 def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     """Candidate strategies of one jaxpr equation on ``mesh``, in a fixed order, replicated first.
 
@@ -360,7 +398,7 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         result = _gather(eqn, mesh)
     elif name in ("scatter-add", "scatter_add"):
         result = _scatter_add(eqn, mesh)
-    elif name in ELEMENTWISE_PRIMITIVES and len(eqn.outvars) == 1:
+    elif (name in ELEMENTWISE_PRIMITIVES or _elementwise_call(eqn)) and len(eqn.outvars) == 1:
         result = _elementwise(eqn, mesh)
     elif name in REDUCTION_PRIMITIVES and len(eqn.invars) == 1:
         result = _reduction(eqn, mesh)

@@ -1,0 +1,295 @@
+"""Per-stage sharding plans from the ILP, checked on the plan, on the compiled HLO and numerically."""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
+from jax.sharding import NamedSharding, PartitionSpec
+
+import autopar
+from autopar._src import cluster as cluster_mod
+from autopar._src import intra_op, transfers
+from models import train
+from models.mlp import MLPConfig
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def _mlp(config, batch_size, opt="adamw"):
+    step, state = train.setup("mlp", "linen", config, OPTIMIZERS[opt]())
+    batches = [train.make_batch("mlp", config, batch_size, seed=i) for i in range(3)]
+    return step, state, batches
+
+
+def _hlo(exe):
+    """Compiled HLO text of every task."""
+    texts = []
+    for task, fn in zip(exe.program.tasks, exe.fns, strict=True):
+        args = [
+            jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, task.stage))
+            for k in task.in_keys
+        ]
+        texts.append(fn.lower(*args).compile().as_text())
+    return "\n".join(texts)
+
+
+def _collectives(hlo, op_name=None):
+    """``(kind, result shape)`` of every collective, optionally of one source op only."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\(?[a-z0-9]+\[[0-9,]*\][^ ]*) (" + "|".join(COLLECTIVES) + r")\(", line)
+        if m and (op_name is None or re.search(r'op_name="[^"]*' + re.escape(op_name), line)):
+            found.append((m.group(2), m.group(1)))
+    return found
+
+
+def _leaf_specs(exe, state):
+    """Pytree path -> the ILP's spec of every state leaf (stage 0)."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    specs = exe.shardings[0].specs
+    return {p: specs.get(v) for p, v in zip(paths, exe.step.arg_vars, strict=False)}
+
+
+def _dots(exe):
+    return [op for op in intra_op.stage_ops(exe.program, 0)[0] if op.eqn.primitive.name == "dot_general"]
+
+
+def test_large_batch_small_weights_is_data_parallel():
+    config = MLPConfig(features=(64,), in_features=64, num_classes=16)
+    step, state, batches = _mlp(config, 16384)
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=1, mesh_shape=(8,)
+    )
+    exe = par.executable(state, batches[0])
+    chosen = exe.shardings[0]
+    assert chosen.status == "optimal"
+    x_var = exe.step.arg_vars[len(jax.tree.leaves(state)) + list(batches[0]).index("x")]
+    assert chosen.specs[x_var] == ("data", None)
+    for op in _dots(exe):
+        (out,) = op.outs
+        if op.eqn.outvars[0].aval.shape[0] == 16384:  # activations: split over the batch
+            assert chosen.specs[out][0] == "data", chosen.strategies[out]
+            assert chosen.strategies[out] == "batch[data]"
+        else:  # weight gradients: the batch is contracted, then summed over devices
+            assert chosen.strategies[out].startswith("row_"), chosen.strategies[out]
+    # No activation is ever communicated: every collective is weight- or loss-sized.
+    found = _collectives(_hlo(exe))
+    assert found
+    assert not [c for c in found if "16384" in c[1]], found
+
+
+def test_small_batch_large_weights_is_megatron():
+    config = MLPConfig(features=(4096,), in_features=1024, num_classes=1024)
+    step, state, batches = _mlp(config, 8)
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=1, mesh_shape=(1, 8)
+    )
+    exe = par.executable(state, batches[0])
+    specs = _leaf_specs(exe, state)
+    assert specs[".params['dense_0']['kernel']"] == (None, "model")  # column split
+    assert specs[".params['head']['kernel']"] == ("model", None)  # row split
+    strategies = [exe.shardings[0].strategies[op.outs[0]] for op in _dots(exe)]
+    assert strategies[0] == "column[model]"
+    assert strategies[1] in ("row_allreduce[model]", "row_reducescatter[model]")
+    hlo = _hlo(exe)
+    # The block's forward communicates once: the partial sums of the row-split matmul.
+    forward = [c for c in _collectives(hlo, "MLP/head/dot_general")]
+    assert [kind for kind, _ in forward] == ["all-reduce"], forward
+    # ... and the weights are never gathered.
+    assert not [c for c in _collectives(hlo) if re.search(r"\[(1024,4096|4096,1024)\]", c[1])]
+
+
+def test_attention_splits_heads():
+    config = train.tiny_config("gpt", hidden=256, num_heads=8, num_layers=1)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
+    batches = [train.make_batch("gpt", config, 2, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(1, 8)
+    )
+    exe = par.executable(state, batches[0])
+    chosen = exe.shardings[0]
+    by_source = {}
+    for op in _dots(exe):
+        name = str(op.eqn.source_info.name_stack)
+        by_source.setdefault(name, chosen.strategies[op.outs[0]])
+    for proj in ("query", "key", "value"):
+        assert by_source[f"GPT/block_0/attn/{proj}"] == "column[model]"
+    attention = [s for n, s in by_source.items() if "->" in n and "transpose" not in n]
+    assert len(attention) == 2 and all(s == "heads[model]" for s in attention), by_source
+    assert by_source["GPT/block_0/attn/out"].startswith("row_")
+    hlo = _hlo(exe)
+    # Heads stay local: the score and context matmuls communicate nothing.
+    assert not _collectives(hlo, "bqhd,bkhd->bhqk")
+    assert not _collectives(hlo, "bhqk,bkhd->bqhd")
+    assert [k for k, _ in _collectives(hlo, "GPT/block_0/attn/out/dot_general")] == ["all-reduce"]
+
+
+def _tight_cluster(state, fraction):
+    total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))
+    base = cluster_mod.preset("cpu")
+    # The ILP gets the device memory less the planner's headroom.
+    memory = int(fraction * total / (1 - autopar._src.planner.MEMORY_HEADROOM))
+    return dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=memory))
+
+
+def test_tight_memory_shards_optimizer_state():
+    config = MLPConfig(features=(256,), in_features=64, num_classes=16)
+    step, state, batches = _mlp(config, 8)
+    ample = autopar.autoparallel(step, num_stages=1, mesh_shape=(8,), cluster=_tight_cluster(state, 100))
+    ample_specs = _leaf_specs(ample.executable(state, batches[0]), state)
+    head = ["['head']['kernel']", "['head']['bias']"]
+    opt_state = [f".opt_state[0].{m}{p}" for m in ("mu", "nu") for p in head]
+    assert all(set(ample_specs[k]) == {None} for k in opt_state), ample_specs
+    par = assert_same_as_jit(
+        step,
+        state,
+        batches,
+        TOLERANCES["adamw"],
+        num_stages=1,
+        num_microbatches=1,
+        mesh_shape=(8,),
+        cluster=_tight_cluster(state, 0.25),
+    )
+    exe = par.executable(state, batches[0])
+    specs = _leaf_specs(exe, state)
+    kernel_moments = [f".opt_state[0].{m}['head']['kernel']" for m in ("mu", "nu")]
+    assert all("data" in specs[k] for k in kernel_moments), specs
+    # Per device, the state now fits the budget the ILP was given.
+    budget = 0.25 * sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))
+    leaves = jax.tree.leaves(state)
+    per_device = sum(
+        np.asarray(x).nbytes / np.prod([8 if a else 1 for a in (specs[p] or ())])
+        for p, x in zip(specs, leaves, strict=False)
+    )
+    assert per_device <= budget
+    # The arrays a step returns carry that layout.
+    new_state, _ = par(state, batches[0])
+    mu = new_state.opt_state[0].mu["head"]["kernel"]
+    assert mu.sharding.spec != PartitionSpec() and mu.sharding.shard_shape(mu.shape) != mu.shape
+
+
+def test_sharding_data_keeps_batch_split_and_replicas():
+    config = MLPConfig(features=(256,), in_features=64, num_classes=16)
+    step, state, batches = _mlp(config, 8)
+    par = autopar.autoparallel(step, num_stages=1, sharding="data")
+    exe = par.executable(state, batches[0])
+    assert exe.shardings == []
+    assert all(exe.sharding((v, None), 0).spec == PartitionSpec() for v in exe.step.arg_vars[:3])
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(sharding="zero"), "sharding='zero'"),
+        (dict(num_stages=2, mesh_shape=(2, 2, 1)), "mesh_shape must be"),
+        (dict(mesh_shape=(2, 4)), "needs an int num_stages"),
+        (dict(num_stages=1, mesh_shape=(2, 4), sharding="data"), "never uses"),
+    ],
+)
+def test_bad_sharding_options(bad, match):
+    with pytest.raises(ValueError, match=match):
+        autopar.autoparallel(lambda s, b: s, **bad)
+
+
+def test_mesh_shape_must_hold_the_stage():
+    config = MLPConfig(features=(64,), in_features=64, num_classes=16)
+    step, state, batches = _mlp(config, 8)
+    par = autopar.autoparallel(step, num_stages=2, mesh_shape=(2, 4))
+    with pytest.raises(
+        ValueError, match=r"mesh_shape=\(2, 4\) holds 8 devices but each of the 2 stages has 4"
+    ):
+        par(state, batches[0])
+
+
+# -- transfers between stages ----------------------------------------------------------------
+
+
+def _recorded_puts(monkeypatch):
+    """Every ``jax.device_put`` of an array from one set of devices to another."""
+    calls = []
+    real = jax.device_put
+
+    def put(x, device=None, *args, **kwargs):
+        src = getattr(x, "sharding", None)
+        if isinstance(src, NamedSharding) and isinstance(device, NamedSharding):
+            if src.device_set != device.device_set:
+                calls.append((src, device, tuple(x.shape)))
+        return real(x, device, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", put)
+    return calls
+
+
+def _check_puts(calls):
+    assert calls
+    for src, dst, shape in calls:
+        a, b = transfers.blocks(src, shape), transfers.blocks(dst, shape)
+        if len(a) == len(b):
+            assert a == b, (src, dst)
+        else:  # meshes of different sizes: each destination block is one the source holds
+            assert set(b) <= set(a), (src, dst)
+
+
+def test_transfers_copy_identical_blocks(monkeypatch):
+    config = train.tiny_config("gpt", tie_embeddings=True)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
+    batches = [train.make_batch("gpt", config, 8, seed=i) for i in range(3)]
+    calls = _recorded_puts(monkeypatch)
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=4, num_microbatches=4)
+    exe = par.executable(state, batches[0])
+    meshes = [set(m.devices.flat) for m in exe.meshes]
+    assert all(not (a & b) for i, a in enumerate(meshes) for b in meshes[i + 1 :])
+    assert exe.routes
+    for route in exe.routes.values():
+        assert route.send.device_set == route.src.device_set
+        assert route.recv.device_set == route.dst.device_set
+    _check_puts(calls)
+
+
+def test_transfers_between_meshes_of_different_shapes(monkeypatch):
+    config = train.tiny_config("gpt")
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
+    batches = [train.make_batch("gpt", config, 8, seed=i) for i in range(3)]
+    base = autopar.autoparallel(step, num_stages=2, num_microbatches=2).plan(state, batches[0])
+    first, second = base.stages
+    plan = dataclasses.replace(
+        base,
+        stages=(
+            dataclasses.replace(
+                first, device_ids=(0, 1, 2, 3), mesh_shape=(2, 2), axis_names=("data", "model")
+            ),
+            dataclasses.replace(second, device_ids=(4, 5), mesh_shape=(2,), axis_names=("data",)),
+        ),
+    )
+    calls = _recorded_puts(monkeypatch)
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], plan=plan)
+    exe = par.executable(state, batches[0])
+    assert [m.devices.shape for m in exe.meshes] == [(2, 2), (2,)]
+    _check_puts(calls)
+
+
+def test_route_choices():
+    devices = np.array(jax.devices())
+    a = jax.sharding.Mesh(devices[:4].reshape(2, 2), ("data", "model"))
+    b = jax.sharding.Mesh(devices[4:].reshape(2, 2), ("data", "model"))
+    split, whole = PartitionSpec("data", "model"), PartitionSpec()
+    shape = (8, 8)
+    # Same layout on both sides: a plain copy.
+    r = transfers.plan_route(NamedSharding(a, split), NamedSharding(b, split), shape, 4)
+    assert not r.reshard_before and not r.reshard_after
+    # Split source, replicated destination: send the small blocks, gather on arrival.
+    r = transfers.plan_route(NamedSharding(a, split), NamedSharding(b, whole), shape, 4)
+    assert not r.reshard_before and r.reshard_after
+    # Replicated source, split destination: slice first, send the small blocks.
+    r = transfers.plan_route(NamedSharding(a, whole), NamedSharding(b, split), shape, 4)
+    assert r.reshard_before and not r.reshard_after
+    for src, dst in [(split, whole), (whole, split)]:
+        r = transfers.plan_route(NamedSharding(a, src), NamedSharding(b, dst), shape, 4)
+        assert transfers.same_blocks(r.send, r.recv, shape)
+        x = jax.device_put(np.arange(64.0).reshape(shape), NamedSharding(a, src))
+        y = transfers.Resharder().move(x, r)
+        assert y.sharding.is_equivalent_to(NamedSharding(b, dst), 2)
+        np.testing.assert_array_equal(np.asarray(y), np.arange(64.0).reshape(shape))
