@@ -130,7 +130,9 @@ def build_cases(
     for n in device_counts:
         if batch_size % n:
             raise ValueError(f"--batch-size {batch_size} is not divisible by {n} devices; choose a multiple")
-        fn = autopar.autoparallel(step, num_stages=1, num_microbatches=1, devices=devices[:n])
+        fn = autopar.autoparallel(
+            step, num_stages=1, num_microbatches=1, devices=devices[:n], sharding="data"
+        )
         # Building the executable traces the step as it will run (nothing is compiled yet).
         exe = fn.executable(state, batch)
         mesh = Mesh(devices[:n], ("data",))

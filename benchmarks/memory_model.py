@@ -66,7 +66,12 @@ def main() -> None:
         step, state = train.setup(kind, "linen", config, optax.adamw(1e-3))
         batch = train.make_batch(kind, config, args.batch_size)
         par = autopar.autoparallel(
-            step, num_stages=num_stages, num_microbatches=args.microbatches, schedule="1f1b", donate_argnums=0
+            step,
+            num_stages=num_stages,
+            num_microbatches=args.microbatches,
+            schedule="1f1b",
+            donate_argnums=0,
+            sharding="data",
         )
         exe = par.executable(state, batch)
         prof = profile.layer_profile(exe.step, exe.batch_leaf_ids)

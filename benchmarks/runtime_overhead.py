@@ -39,9 +39,9 @@ def main() -> None:
     step, state = train.setup("gpt", "linen", config, optax.adamw(1e-3))
     batch = train.make_batch("gpt", config, args.batch_size)
     configs = {
-        "autopar 1 stage x 1 microbatch": dict(num_stages=1, num_microbatches=1),
-        "autopar 2 stages x 4 microbatches (1f1b)": dict(num_stages=2, num_microbatches=4),
-        "autopar 4 stages x 4 microbatches (1f1b)": dict(num_stages=4, num_microbatches=4),
+        "autopar 1 stage x 1 microbatch": dict(num_stages=1, num_microbatches=1, sharding="data"),
+        "autopar 2 stages x 4 microbatches (1f1b)": dict(num_stages=2, num_microbatches=4, sharding="data"),
+        "autopar 4 stages x 4 microbatches (1f1b)": dict(num_stages=4, num_microbatches=4, sharding="data"),
     }
     times = bench.step_times(step, state, batch, configs, rounds=args.rounds)
     base = _common.summary(times[bench.JIT])[0]

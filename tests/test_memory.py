@@ -13,7 +13,9 @@ def test_predicted_peak_is_within_15_percent_of_the_compiled_program(num_stages)
     config = train.GPTConfig.preset("gpt-small")
     step, state = train.setup("gpt", "linen", config, optax.adamw(1e-3))
     batch = train.make_batch("gpt", config, 32)
-    par = autopar.autoparallel(step, num_stages=num_stages, num_microbatches=4, donate_argnums=0)
+    par = autopar.autoparallel(
+        step, num_stages=num_stages, num_microbatches=4, donate_argnums=0, sharding="data"
+    )
     exe = par.executable(state, batch)
     prof = profile.layer_profile(exe.step, exe.batch_leaf_ids)
     for s in range(num_stages):
@@ -30,9 +32,9 @@ def test_gpipe_holds_more_activations_than_1f1b():
     batch = train.make_batch("gpt", config, 32)
     peaks = {}
     for sched in ("gpipe", "1f1b"):
-        exe = autopar.autoparallel(step, num_stages=2, num_microbatches=4, schedule=sched).executable(
-            state, batch
-        )
+        exe = autopar.autoparallel(
+            step, num_stages=2, num_microbatches=4, schedule=sched, sharding="data"
+        ).executable(state, batch)
         prof = profile.layer_profile(exe.step, exe.batch_leaf_ids)
         peaks[sched] = (memory.compiled_peak(exe, 0).peak, memory.predicted_peak(exe, 0, prof))
     # Stage 0 keeps 4 microbatches in flight under GPipe, 2 under 1F1B: model and program agree.

@@ -238,6 +238,7 @@ class AutoParallel:
                 batch_size=batch_size,
                 device_ids=[d.id for d in devices],
                 tensor_parallel=opts.sharding == "auto",
+                sharding_costs=opts.sharding == "auto",
                 **measured,
             )
         else:

@@ -58,7 +58,17 @@ class StageSharding:
 
 
 def mesh_spec(cluster: cluster_mod.ClusterSpec, stage: StagePlan, dtype: str = "float32") -> MeshSpec:
-    """The logical mesh of ``stage`` with each axis priced by the links it spans.
+    """The logical mesh of ``stage``, each axis priced by the links it spans (:func:`logical_mesh`)."""
+    return logical_mesh(cluster, stage.mesh_shape, stage.axis_names, dtype)
+
+
+def logical_mesh(
+    cluster: cluster_mod.ClusterSpec,
+    shape: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    dtype: str = "float32",
+) -> MeshSpec:
+    """A logical mesh of ``shape`` with each axis priced by the links it spans.
 
     Devices are laid out in mesh order, the last axis fastest, so an axis of size ``s`` whose
     inner axes hold ``k`` devices spans ``s * k`` consecutive devices: within one host while
@@ -66,15 +76,15 @@ def mesh_spec(cluster: cluster_mod.ClusterSpec, stage: StagePlan, dtype: str = "
     """
     per_host = cluster.devices_per_host
     bandwidth, latency = [], []
-    for i, size in enumerate(stage.mesh_shape):
-        span = size * math.prod(stage.mesh_shape[i + 1 :])
+    for i, size in enumerate(shape):
+        span = size * math.prod(shape[i + 1 :])
         submesh = (1, span) if span <= per_host else (math.ceil(span / per_host), per_host)
         link = cluster_mod.link_for(cluster, submesh)
         bandwidth.append(link.bandwidth)
         latency.append(link.latency)
     return MeshSpec(
-        axis_names=stage.axis_names,
-        axis_sizes=stage.mesh_shape,
+        axis_names=axis_names,
+        axis_sizes=shape,
         bandwidth=tuple(bandwidth),
         latency=tuple(latency),
         peak_flops=cluster.device.flops(dtype),
@@ -135,6 +145,7 @@ def solve_stage(
     memory_budget: float | None = None,
     time_limit: float = 30.0,
     carried: dict[Any, Any] | None = None,
+    fixed: dict[Any, Spec] | None = None,
 ) -> StageSharding:
     """Solves the sharding ILP of ``stage`` on ``mesh``.
 
@@ -142,14 +153,16 @@ def solve_stage(
     the batch and the activations that arrive from other stages. Temporaries are left to
     the stage DP's memory model, so ``memory_budget`` should be what remains of a device
     for them. ``carried`` (see :func:`carried_state`) ties the step's new state to the
-    state it replaces, so that they are laid out alike.
+    state it replaces, so that they are laid out alike. ``fixed`` gives some inputs a layout
+    (e.g. a hand-written plan's parameter shardings); the ILP lays out the rest around them.
 
     Raises:
-      ValueError: if no sharding of the inputs fits ``memory_budget``.
+      ValueError: if no sharding of the inputs fits ``memory_budget``, or a ``fixed`` layout
+        is not one the input can take on ``mesh``.
     """
     start = time.perf_counter()
     ops, alias = stage_ops(program, stage)
-    nodes, edges, producer = graph_of(ops, mesh, carried=carried)
+    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed)
     made = {name for op in ops for name in op.outs if name is not None}
     inputs = {producer[name][0] for name in producer if name not in made}
     nodes = tuple(n if i in inputs else _without_memory(n) for i, n in enumerate(nodes))

@@ -125,7 +125,7 @@ def layer_range_latency(
                 task = _range_task(first, all_ops, layer_of, start, stop)
                 in_sh = [NamedSharding(mesh, _spec(key, microbatch_size, n)) for key in task.in_keys]
                 out_sh = [NamedSharding(mesh, _spec(key, microbatch_size, n)) for key in task.out_keys]
-                fn = jax.jit(_task_fn(task), in_shardings=tuple(in_sh), out_shardings=tuple(out_sh))
+                fn = jax.jit(_task_fn(task, {}), in_shardings=tuple(in_sh), out_shardings=tuple(out_sh))
                 abstract = [
                     jax.ShapeDtypeStruct(key[0].aval.shape, key[0].aval.dtype, sharding=sh)
                     for key, sh in zip(task.in_keys, in_sh, strict=True)

@@ -101,6 +101,7 @@ def stage_costs(
     tensor_parallel: bool = True,
     task_overhead: float = DEFAULT_TASK_OVERHEAD,
     measured: np.ndarray | None = None,
+    sharded: np.ndarray | None = None,
 ) -> StageCosts:
     """Analytic cost arrays for every contiguous layer range on every submesh.
 
@@ -116,6 +117,9 @@ def stage_costs(
         data-parallel submeshes, ``[start, last, k]`` for the submeshes in order (see
         :func:`autopar._src.measured.layer_range_latency`); they replace the analytic
         compute, collective and dispatch terms of the logical meshes ``(n, 1)``.
+      sharded: the sharding ILP's seconds per layer ``[layer, k, q]`` (see
+        :func:`autopar._src.layer_sharding.layer_latency`); a stage's are the sum over its
+        layers, and they replace the analytic compute and collective terms.
     """
     submeshes = cluster_mod.submesh_shapes(spec)
     logical = tuple(
@@ -147,7 +151,10 @@ def stage_costs(
             tp_comm = 4 * _allreduce(acts / dp, tp, link)
             grad_sync = _allreduce(params / tp, dp, link) / num_microbatches
             send = 2 * (out_bytes / dp / link.bandwidth + link.latency)
-            lat = compute + tp_comm + grad_sync + send + 2 * task_overhead
+            if sharded is not None:
+                lat = ranges(sharded[:, k, q] * batch_scale) + send + 2 * task_overhead
+            else:
+                lat = compute + tp_comm + grad_sync + send + 2 * task_overhead
             if measured is not None and tp == 1:
                 compute = measured[:, :, k]
                 lat = compute + send
@@ -187,6 +194,7 @@ def solve(
     layer_names: Sequence[str] | None = None,
     memory_headroom: float = MEMORY_HEADROOM,
     measured: np.ndarray | None = None,
+    sharded: np.ndarray | None = None,
 ) -> tuple[stages.StageSolution, StageCosts]:
     """Runs the stage DP on the analytic costs, keeping ``memory_headroom`` of memory free.
 
@@ -203,6 +211,7 @@ def solve(
         batch_scale=batch_scale,
         tensor_parallel=tensor_parallel,
         measured=measured,
+        sharded=sharded,
     )
     try:
         solution = _solve(costs, spec, budget, num_microbatches, schedule, layer_names)

@@ -241,6 +241,7 @@ def auto_plan(
     schedule: str,
     spec: cluster_mod.ClusterSpec,
     tensor_parallel: bool = False,
+    sharding_costs: bool = False,
     retrace: bool = True,
     measured_devices: Sequence[Any] | None = None,
     cost_cache: Any = None,
@@ -248,6 +249,8 @@ def auto_plan(
     """Clusters layers automatically and runs the stage DP.
 
     ``num_microbatches=None`` chooses it among the divisors of the batch size.
+    With ``sharding_costs``, each stage's latency on each logical mesh is the sharding ILP's
+    (:mod:`autopar._src.layer_sharding`) instead of the analytic estimate.
     ``tensor_parallel`` allows logical meshes with ``tp > 1`` (for planning only:
     the runtime shards stages over the batch).
 
@@ -301,6 +304,19 @@ def auto_plan(
             step, batch_ids, batch_size // num_microbatches, measured_devices, sizes, cache=cost_cache
         )
 
+    def sharded_for(traced: trace.TracedStep) -> Any:
+        if not sharding_costs:
+            return None
+        from autopar._src import layer_sharding
+
+        submeshes = cluster_mod.submesh_shapes(spec)
+        logical = tuple(
+            tuple(s for s in cluster_mod.logical_shapes(m) if tensor_parallel or s[1] == 1) for m in submeshes
+        )
+        return layer_sharding.layer_latency(traced, spec, submeshes, logical, dtype=prof.dtype)
+
+    sharded = sharded_for(step)
+
     def solve(b: int, scale: float) -> tuple[stages.StageSolution, planner.StageCosts]:
         return planner.solve(
             prof,
@@ -310,6 +326,7 @@ def auto_plan(
             batch_scale=scale,
             tensor_parallel=tensor_parallel,
             measured=measured,
+            sharded=sharded,
         )
 
     if num_microbatches is None:
@@ -328,6 +345,7 @@ def auto_plan(
             prof = profile.layer_profile(step, tuple(batch_ids))
             cuts, flops, fingerprint = _region_layers(step)
             scale = 1.0
+            sharded = sharded_for(step)
         flops = tuple(f * scale for f in flops)
     else:
         nmb, scale = num_microbatches, 1.0

@@ -446,6 +446,7 @@ def graph_of(
     mesh: MeshSpec,
     inputs: Sequence[Any] = (),
     carried: Mapping[Any, Any] | None = None,
+    fixed: Mapping[Any, Spec] | None = None,
 ) -> tuple[tuple[Node, ...], tuple[Edge, ...], dict[Any, tuple[int, int]]]:
     """The strategy graph of a sequence of equations over named values.
 
@@ -457,6 +458,10 @@ def graph_of(
     reads several values of one producer), times the consumer's weight. ``carried`` maps a
     value to the input it becomes at the next step (the new parameters to the parameters):
     an edge between their nodes prices resharding one into the other once per step.
+    ``fixed`` gives some inputs their only layout (trailing dims may be left out).
+
+    Raises:
+      ValueError: if a ``fixed`` layout is not one the input can take on ``mesh``.
 
     Returns:
       ``(nodes, edges, producer)``; ``producer`` maps each value to ``(node, output index)``.
@@ -465,8 +470,18 @@ def graph_of(
     producer: dict[Any, tuple[int, int]] = {}
 
     def add_input(name: Any, var: Any) -> None:
+        strategies = _input_strategies(var, mesh)
+        if fixed is not None and name in fixed:
+            given = tuple(a if a is not None and mesh.size(a) > 1 else None for a in fixed[name])
+            want = given + (None,) * (len(shape_of(var)) - len(given))
+            strategies = tuple(s for s in strategies if s.output_specs[0] == want)
+            if not strategies:
+                raise ValueError(
+                    f"fixed layout {want} of an input of shape {shape_of(var)} is not one it can take on "
+                    f"mesh {dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}"
+                )
         producer[name] = (len(nodes), 0)
-        nodes.append(Node(name=f"input{len(nodes)}", strategies=_input_strategies(var, mesh)))
+        nodes.append(Node(name=f"input{len(nodes)}", strategies=strategies))
 
     for name in inputs:
         add_input(name, name)
