@@ -139,7 +139,8 @@ def test_tight_memory_shards_optimizer_state():
     config = MLPConfig(features=(256,), in_features=64, num_classes=16)
     step, state, batches = _mlp(config, 8)
     ample = autopar.autoparallel(step, num_stages=1, mesh_shape=(8,), cluster=_tight_cluster(state, 100))
-    ample_specs = _leaf_specs(ample.executable(state, batches[0]), state)
+    ample_exe = ample.executable(state, batches[0])
+    ample_specs = _leaf_specs(ample_exe, state)
     head = ["['head']['kernel']", "['head']['bias']"]
     opt_state = [f".opt_state[0].{m}{p}" for m in ("mu", "nu") for p in head]
     assert all(set(ample_specs[k]) == {None} for k in opt_state), ample_specs
@@ -165,6 +166,12 @@ def test_tight_memory_shards_optimizer_state():
         for p, x in zip(specs, leaves, strict=False)
     )
     assert per_device <= budget
+    # With ample memory this small problem runs replicated, without any collective; the tight
+    # plan communicates what its split layout needs, and never gathers the head's kernel (or
+    # its moments) whole.
+    assert not _collectives(_hlo(ample_exe))
+    tight = _collectives(_hlo(exe))
+    assert tight and not [c for c in tight if c[0] == "all-gather" and re.match(r"f32\[256,16\]", c[1])]
     # The arrays a step returns carry that layout.
     new_state, _ = par(state, batches[0])
     mu = new_state.opt_state[0].mu["head"]["kernel"]
@@ -293,3 +300,36 @@ def test_route_choices():
         y = transfers.Resharder().move(x, r)
         assert y.sharding.is_equivalent_to(NamedSharding(b, dst), 2)
         np.testing.assert_array_equal(np.asarray(y), np.arange(64.0).reshape(shape))
+
+
+# -- the stage DP priced by the ILP --------------------------------------------------------
+
+
+def test_stage_dp_prices_layers_with_the_ilp():
+    from autopar._src import cluster as cm
+    from autopar._src import layer_sharding, planner, profile
+
+    config = train.tiny_config("gpt", num_layers=4)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
+    batch = train.make_batch("gpt", config, 8)
+    exe = autopar.autoparallel(step, num_stages=4, num_microbatches=1, devices=jax.devices()[:4]).executable(
+        state, batch
+    )
+    spec = cluster_mod.preset("cpu")
+    submeshes = cm.submesh_shapes(spec)
+    logical = tuple(cm.logical_shapes(m) for m in submeshes)
+    layer_sharding._CACHE.clear()
+    table = layer_sharding.layer_latency(exe.step, spec, submeshes, logical)
+    assert table.shape[:2] == (4, len(submeshes))
+    # The two middle layers are the same transformer block: solved once per mesh, equal seconds.
+    assert np.array_equal(table[1], table[2])
+    solved_meshes = sum(len(q) for q in logical)
+    assert len(layer_sharding._CACHE) < table.shape[0] * solved_meshes
+    assert np.isfinite(table[:, 0, 0]).all() and (table[:, 0, 0] > 0).all()
+    # A stage's latency is the sum of its layers', plus its copies and dispatch.
+    prof = profile.layer_profile(exe.step, exe.batch_leaf_ids)
+    costs = planner.stage_costs(prof, spec, num_microbatches=1, sharded=table)
+    k, q = len(submeshes) - 1, 1
+    send = costs.latency[1, 3, k, q] - table[1:4, k, q].sum()
+    one = costs.latency[3, 3, k, q] - table[3, k, q]
+    assert send == pytest.approx(one, rel=1e-9) and send > 0

@@ -269,6 +269,9 @@ class AutoParallel:
                 spec,
                 memory_budget=spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM),
             )
+            plan = planning.describe_layouts(
+                plan, step, args, [None if s is None else s.specs for s in shardings]
+            )
         return driver.Executable(
             program=program,
             plan=plan,

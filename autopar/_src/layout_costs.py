@@ -174,11 +174,11 @@ def priced_strategy(
       in_specs: per invar (literals too), the spec the layout needs.
       out_specs: per outvar, the spec the layout produces.
       flops: the equation's FLOPs; when given, compute is FLOPs over the devices sharing them
-        (the product of the axes any spec uses) over peak FLOP/s, else zero: XLA fuses chains
-        of memory-bound equations into single loops, so pricing each one's memory traffic
-        overstates them many times over and would make the ILP shard cheap elementwise work
-        (e.g. an optimizer update) at the price of real collectives. As in Alpa, only matmuls
-        and convolutions carry compute cost; layouts of the rest are decided by communication.
+        (the product of the axes any spec uses) over peak FLOP/s, else the bytes the equation
+        writes per device over memory bandwidth. XLA fuses chains of memory-bound equations
+        into single loops that do not read intermediates back, so an equation's operands are
+        not charged again: counting them too overstated an optimizer update several times
+        and made the ILP shard it at the price of real collectives.
       comm: seconds of the collectives the layout issues.
       weight: index of the operand (a parameter) whose share counts towards memory with the outputs.
     """
@@ -187,7 +187,7 @@ def priced_strategy(
         shards = math.prod(mesh.size(a) for a in {a for s in (*in_specs, *out_specs) for a in s if a})
         compute = flops / shards / mesh.peak_flops
     else:
-        compute = 0.0
+        compute = outs / mesh.memory_bandwidth
     memory = outs + (share_bytes(eqn.invars[weight], in_specs[weight], mesh) if weight is not None else 0.0)
     return Strategy(
         name=name,

@@ -8,6 +8,7 @@ the number of microbatches.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,6 +69,27 @@ def _stage_details(
     owned.sort(key=lambda v: (-cost.aval_bytes(v.aval), index[v]))
     largest = tuple(f"{paths[index[v]]} {v.aval.dtype}{list(v.aval.shape)} {spec_text}" for v in owned[:3])
     return {"source": (sources[start][0], sources[stop - 1][1]), "largest_params": largest}
+
+
+def describe_layouts(
+    plan: Plan, step: trace.TracedStep, args: tuple[Any, ...], specs: Sequence[dict[Any, Any] | None]
+) -> Plan:
+    """``plan`` with each stage's largest parameters shown in the layouts ``specs`` gives them."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    by_path = dict(zip(paths, step.arg_vars, strict=True))
+    stages = []
+    for st, chosen in zip(plan.stages, specs, strict=True):
+        described = []
+        for text in st.largest_params:
+            v = by_path.get(text.split(" ")[0])
+            if chosen is None or v is None or v not in chosen:
+                described.append(text)
+                continue
+            spec = chosen[v]
+            layout = "replicated" if all(a is None for a in spec) else str(jax.sharding.PartitionSpec(*spec))
+            described.append(f"{text.split(' ')[0]} {v.aval.dtype}{list(v.aval.shape)} {layout}")
+        stages.append(dataclasses.replace(st, largest_params=tuple(described)))
+    return dataclasses.replace(plan, stages=tuple(stages))
 
 
 def _require_region(step: trace.TracedStep, num_microbatches: int, num_stages: int) -> None:
