@@ -12,9 +12,10 @@ For GPT layers on each logical mesh (data, model) of 8 devices, three plans:
 layouts of the parameters, optimizer state and batch, and the ILP lays out the rest around
 them (as XLA's propagation does for a pjit program). "measured" is the median step time of
 autopar's step (ILP) and of ``jax.jit`` with the hand-written ``in_shardings``, interleaved,
-on the same devices.
+on the same devices. The cost model is a quick calibration of these devices (``autopar
+calibrate``), or the CPU preset with ``--preset``, or a saved spec with ``--cluster-file``.
 
-    python benchmarks/intra_op.py [--model gpt-small] [--batch-size 16] [--rounds 10]
+    python benchmarks/intra_op.py [--model gpt-small] [--batch-size 16] [--rounds 10] [--preset]
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-small", help="GPT preset (default gpt-small)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--preset", action="store_true", help="price with the CPU preset, not a calibration")
+    parser.add_argument("--cluster-file", help="a saved ClusterSpec JSON (e.g. from `autopar calibrate`)")
     args = parser.parse_args()
     _common.use_cpu_devices(8)
 
@@ -64,10 +67,16 @@ def main() -> None:
     from jax.sharding import Mesh
 
     import autopar
-    from autopar._src import intra_op
+    from autopar._src import calibrate, cluster, intra_op
     from autopar._src.compare import Manual, megatron_rules
     from models import train
 
+    if args.cluster_file:
+        spec, source = cluster.ClusterSpec.load(args.cluster_file), f"--cluster-file {args.cluster_file}"
+    elif args.preset:
+        spec, source = cluster.preset("cpu"), "the CPU preset"
+    else:
+        spec, source = calibrate.calibrate(quick=True, progress=False), "a quick calibration of these devices"
     config = train.GPTConfig.preset(args.model)
     step, state = train.setup("gpt", "linen", config, optax.adamw(1e-3))
     batch = train.make_batch("gpt", config, args.batch_size)
@@ -84,7 +93,7 @@ def main() -> None:
     rows = []
     for shape in MESHES:
         mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "model"))
-        par = autopar.autoparallel(step, num_stages=1, mesh_shape=shape)
+        par = autopar.autoparallel(step, num_stages=1, mesh_shape=shape, cluster=spec)
         exe = par.executable(state, batch)
         ilp = exe.shardings[0]
         carried = intra_op.carried_state(exe.step)
@@ -134,10 +143,11 @@ def main() -> None:
             "batch size": args.batch_size,
             "optimizer": "adamw",
             "stages": "1 (the whole step on the 8-device logical mesh)",
-            "cost model": "the CPU preset cluster (the planner's default for these devices)",
+            "cost model": f"{source}: {spec.device.flops('float32') / 1e9:.0f} GFLOP/s float32, links "
+            f"{spec.intra_host_bandwidth / 1e6:.0f} MB/s and {spec.intra_host_latency * 1e6:.1f} us",
             "rounds": f"{args.rounds} interleaved steps per plan after 2 warm-up steps",
             "command": f"python benchmarks/intra_op.py --model {args.model} --batch-size {args.batch_size} "
-            f"--rounds {args.rounds}",
+            f"--rounds {args.rounds}" + (" --preset" if args.preset else ""),
         },
         headers,
         rows,

@@ -239,6 +239,7 @@ class AutoParallel:
                 device_ids=[d.id for d in devices],
                 tensor_parallel=opts.sharding == "auto",
                 sharding_costs=opts.sharding == "auto",
+                platform=devices[0].platform,
                 **measured,
             )
         else:
@@ -268,6 +269,7 @@ class AutoParallel:
                 plan,
                 spec,
                 memory_budget=spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM),
+                platform=devices[0].platform,
             )
             plan = planning.describe_layouts(
                 plan, step, args, [None if s is None else s.specs for s in shardings]

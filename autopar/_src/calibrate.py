@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autopar._src import cluster as cluster_mod
@@ -108,8 +108,9 @@ def calibrate(
 ) -> ClusterSpec:
     """Measures ``devices`` and returns a one-host-per-process spec describing them.
 
-    Peak FLOP/s per dtype and memory bandwidth are timed on the first device; the intra-host
-    link on an all-reduce over all of them. With a single device, and for links between
+    Peak FLOP/s per dtype and memory bandwidth are timed per device while all of them work at
+    once (devices that share a host's cores, like XLA's simulated CPU devices, get their share);
+    the intra-host link on an all-reduce over all of them. With a single device, and for links between
     hosts, the base spec's figures are kept; memory size comes from the runtime when it
     reports one, else from the base spec.
 
@@ -139,10 +140,10 @@ def calibrate(
 
     results: dict[str, float] = {}
     steps: list[tuple[str, Callable[[], float]]] = [
-        (f"{dtype} matmul", lambda dtype=dtype: _peak_flops(first, dtype, effort, room))
+        (f"{dtype} matmul", lambda dtype=dtype: _peak_flops(local, dtype, effort, room))
         for dtype in REQUIRED_DTYPES
     ]
-    steps.append(("memory bandwidth", lambda: _bandwidth(first, effort, room)))
+    steps.append(("memory bandwidth", lambda: _bandwidth(local, effort, room)))
     if len(local) > 1:
         steps.append(("link latency", lambda: _allreduce_latency(local, effort)))
         steps.append(
@@ -290,32 +291,40 @@ def _filled(shape: tuple[int, ...], dtype: Any, sharding: Any) -> jax.Array:
     return jax.jit(lambda: jnp.full(shape, 0.5, dtype), out_shardings=sharding)()
 
 
-def _peak_flops(device: jax.Device, dtype: str, effort: _Effort, room: int) -> float:
-    """FLOP/s of a square ``dtype`` matmul on ``device``, grown until it is compute-bound."""
+def _peak_flops(devices: Sequence[jax.Device], dtype: str, effort: _Effort, room: int) -> float:
+    """Per-device FLOP/s of square ``dtype`` matmuls running on all ``devices`` at once.
+
+    Devices of one host may share its resources (XLA's simulated CPU devices share the
+    cores): what one device gets while the others work too is what a sharded step sees.
+    """
     itemsize = jnp.dtype(dtype).itemsize
     # Two operands and the result must fit in the room left for calibration.
     dims = [n for n in _doublings(256, effort.max_matmul_dim) if 3 * n * n * itemsize <= room] or [256]
     # Default precision, as the user's step gets: on GPUs float32 may then run on tensor cores.
     matmul = jax.jit(jnp.matmul)
+    sharding = NamedSharding(Mesh(np.asarray(devices), (_AXIS,)), P(_AXIS))
 
     def make_call(n: int) -> Callable[[], Any]:
-        a = _filled((n, n), dtype, SingleDeviceSharding(device))
-        b = _filled((n, n), dtype, SingleDeviceSharding(device))
+        a = _filled((len(devices), n, n), dtype, sharding)
+        b = _filled((len(devices), n, n), dtype, sharding)
         return lambda: matmul(a, b)
 
     n, seconds = _grown(make_call, dims, min_seconds=effort.min_seconds, repeats=effort.repeats)
     return 2 * n**3 / seconds
 
 
-def _bandwidth(device: jax.Device, effort: _Effort, room: int) -> float:
-    """Bytes read plus written per second by an elementwise pass over a large float32 array."""
+def _bandwidth(devices: Sequence[jax.Device], effort: _Effort, room: int) -> float:
+    """Per-device bytes read plus written per second by an elementwise pass over a large float32
+    array on each of ``devices`` at once."""
     sizes = [s for s in _doublings(16 * _MIB, effort.max_stream_bytes) if 2 * s <= room] or [16 * _MIB]
     # Donating the input lets each pass write over it: a fresh output buffer every call would
     # add allocation (page faults on CPU) to what should be one read and one write.
     stream = jax.jit(lambda x: x * 0.5 + 1.0, donate_argnums=0)
 
+    sharding = NamedSharding(Mesh(np.asarray(devices), (_AXIS,)), P(_AXIS))
+
     def make_call(num_bytes: int) -> Callable[[], Any]:
-        cell = [_filled((num_bytes // 4,), jnp.float32, SingleDeviceSharding(device))]
+        cell = [_filled((len(devices) * (num_bytes // 4),), jnp.float32, sharding)]
 
         def call() -> jax.Array:
             cell[0] = stream(cell[0])

@@ -57,9 +57,11 @@ class StageSharding:
     """Nodes left after forced choices were merged: the ILP's decision groups."""
 
 
-def mesh_spec(cluster: cluster_mod.ClusterSpec, stage: StagePlan, dtype: str = "float32") -> MeshSpec:
+def mesh_spec(
+    cluster: cluster_mod.ClusterSpec, stage: StagePlan, dtype: str = "float32", *, platform: str = ""
+) -> MeshSpec:
     """The logical mesh of ``stage``, each axis priced by the links it spans (:func:`logical_mesh`)."""
-    return logical_mesh(cluster, stage.mesh_shape, stage.axis_names, dtype)
+    return logical_mesh(cluster, stage.mesh_shape, stage.axis_names, dtype, platform=platform)
 
 
 def logical_mesh(
@@ -67,12 +69,15 @@ def logical_mesh(
     shape: tuple[int, ...],
     axis_names: tuple[str, ...],
     dtype: str = "float32",
+    *,
+    platform: str = "",
 ) -> MeshSpec:
     """A logical mesh of ``shape`` with each axis priced by the links it spans.
 
     Devices are laid out in mesh order, the last axis fastest, so an axis of size ``s`` whose
     inner axes hold ``k`` devices spans ``s * k`` consecutive devices: within one host while
-    that fits, else across hosts (inter-host links).
+    that fits, else across hosts (inter-host links). On the ``"cpu"`` platform a reduce-scatter
+    is priced as the all-reduce XLA lowers it to.
     """
     per_host = cluster.devices_per_host
     bandwidth, latency = [], []
@@ -89,6 +94,7 @@ def logical_mesh(
         latency=tuple(latency),
         peak_flops=cluster.device.flops(dtype),
         memory_bandwidth=cluster.device.memory_bandwidth,
+        emulated_reduce_scatter=platform == "cpu",
     )
 
 
@@ -293,6 +299,7 @@ def solve_stages(
     *,
     memory_budget: float | None = None,
     time_limit: float = 30.0,
+    platform: str = "",
 ) -> list[StageSharding | None]:
     """:func:`solve_stage` for every stage of ``plan`` with more than one device (None for others)."""
     result: list[StageSharding | None] = []
@@ -305,7 +312,7 @@ def solve_stages(
             solve_stage(
                 program,
                 i,
-                mesh_spec(cluster, st),
+                mesh_spec(cluster, st, platform=platform),
                 memory_budget=memory_budget,
                 time_limit=time_limit,
                 carried=carried,

@@ -93,6 +93,7 @@ def layer_latency(
     *,
     dtype: str = "float32",
     time_limit: float = LAYER_TIME_LIMIT,
+    platform: str = "",
 ) -> np.ndarray:
     """Seconds of one microbatch's forward and backward of each layer, ``[layer, submesh, logical]``.
 
@@ -104,7 +105,7 @@ def layer_latency(
     result = np.full((len(per_layer), len(submeshes), q_max), np.inf)
     for k, shapes in enumerate(logical):
         for q, shape in enumerate(shapes):
-            mesh = logical_mesh(spec, tuple(shape), AXES, dtype)
+            mesh = logical_mesh(spec, tuple(shape), AXES, dtype, platform=platform)
             for i, ops in enumerate(per_layer):
                 key = (signatures[i], mesh)
                 if key not in _CACHE:

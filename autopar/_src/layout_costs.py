@@ -46,6 +46,9 @@ class MeshSpec:
     """Peak FLOP/s of one device; prices matmuls and convolutions."""
     memory_bandwidth: float
     """Device memory bandwidth, bytes/s; prices the memory-bound equations."""
+    emulated_reduce_scatter: bool = False
+    """Whether the backend lowers a reduce-scatter to an all-reduce and a slice (XLA:CPU does),
+    so that it costs as much as the all-reduce."""
 
     def __post_init__(self) -> None:
         for field in ("axis_names", "axis_sizes", "bandwidth", "latency"):
@@ -211,5 +214,6 @@ def replicated_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
 def collective_cost(kind: Collective, nbytes: float, axis: str, mesh: MeshSpec) -> float:
     """Seconds of a ring all-reduce or reduce-scatter of ``nbytes`` per device over ``axis``."""
     bandwidth, latency = mesh.link(axis)
-    fn = all_reduce_cost if kind == "allreduce" else reduce_scatter_cost
+    emulated = kind == "reducescatter" and mesh.emulated_reduce_scatter
+    fn = all_reduce_cost if kind == "allreduce" or emulated else reduce_scatter_cost
     return fn(nbytes, mesh.size(axis), bandwidth=bandwidth, latency=latency)

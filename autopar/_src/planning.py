@@ -264,6 +264,7 @@ def auto_plan(
     spec: cluster_mod.ClusterSpec,
     tensor_parallel: bool = False,
     sharding_costs: bool = False,
+    platform: str = "",
     retrace: bool = True,
     measured_devices: Sequence[Any] | None = None,
     cost_cache: Any = None,
@@ -272,7 +273,8 @@ def auto_plan(
 
     ``num_microbatches=None`` chooses it among the divisors of the batch size.
     With ``sharding_costs``, each stage's latency on each logical mesh is the sharding ILP's
-    (:mod:`autopar._src.layer_sharding`) instead of the analytic estimate.
+    (:mod:`autopar._src.layer_sharding`) instead of the analytic estimate, for devices of
+    ``platform``.
     ``tensor_parallel`` allows logical meshes with ``tp > 1`` (for planning only:
     the runtime shards stages over the batch).
 
@@ -335,7 +337,9 @@ def auto_plan(
         logical = tuple(
             tuple(s for s in cluster_mod.logical_shapes(m) if tensor_parallel or s[1] == 1) for m in submeshes
         )
-        return layer_sharding.layer_latency(traced, spec, submeshes, logical, dtype=prof.dtype)
+        return layer_sharding.layer_latency(
+            traced, spec, submeshes, logical, dtype=prof.dtype, platform=platform
+        )
 
     sharded = sharded_for(step)
 
