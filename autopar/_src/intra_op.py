@@ -4,9 +4,8 @@ A stage runs its equations on a logical mesh (``("data",)`` or ``("data", "model
 :func:`solve_stage` builds the strategy graph of every equation the stage runs (forward and
 backward of its layers, per microbatch, and its share of the once-per-step update), solves
 the ILP and returns one spec per value. The driver turns those specs into the ``NamedSharding``
-of every task input and output on the stage and pins the outputs of the heavy equations
-(matmuls, convolutions, gathers, reductions) with ``with_sharding_constraint``; XLA's
-partitioner does the rest.
+of every task input and output on the stage and pins every equation's output with
+``with_sharding_constraint``; XLA's partitioner inserts the collectives the plan implies.
 """
 
 from __future__ import annotations
@@ -24,13 +23,8 @@ from autopar._src.layout_costs import MeshSpec, share_bytes
 from autopar._src.partition import Program, Transfer
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.sharding_ilp import Node, Spec, expand, merge_forced, solve
-from autopar._src.strategies import REDUCTION_PRIMITIVES, GraphOp, graph_of
+from autopar._src.strategies import GraphOp, graph_of
 from autopar._src.trace import TracedStep
-
-PINNED_PRIMITIVES: frozenset[str] = frozenset(
-    {"dot_general", "conv_general_dilated", "gather", "scatter-add", "scatter_add"} | REDUCTION_PRIMITIVES
-)
-"""Equations whose output layout the driver pins; XLA propagates the rest from them."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -191,12 +185,14 @@ def solve_stage(
         for name, (i, _) in producer.items()
         if name in made
     }
+    # Every value is pinned: left to propagate between pinned matmuls, XLA picked other
+    # layouts for the elementwise work in between and added collectives the plan does not
+    # have (3x the planned step time on a GPT stage).
     pinned = frozenset(
         name
         for op in ops
-        if op.eqn.primitive.name in PINNED_PRIMITIVES
         for name in op.outs
-        if name is not None
+        if name is not None and not jax.dtypes.issubdtype(name.aval.dtype, jax.dtypes.extended)
     )
     return StageSharding(
         mesh=mesh,
