@@ -12,10 +12,11 @@ For GPT layers on each logical mesh (data, model) of 8 devices, three plans:
 layouts of the parameters, optimizer state and batch, and the ILP lays out the rest around
 them (as XLA's propagation does for a pjit program). "measured" is the median step time of
 autopar's step (ILP) and of ``jax.jit`` with the hand-written ``in_shardings``, interleaved,
-on the same devices. The cost model is a quick calibration of these devices (``autopar
-calibrate``), or the CPU preset with ``--preset``, or a saved spec with ``--cluster-file``.
+on the same devices. The cost model is the CPU preset (a full ``autopar calibrate`` of this
+machine's simulated devices), a quick calibration with ``--calibrate`` (noisier: its link
+figures vary several-fold between runs), or a saved spec with ``--cluster-file``.
 
-    python benchmarks/intra_op.py [--model gpt-small] [--batch-size 16] [--rounds 10] [--preset]
+    python benchmarks/intra_op.py [--model gpt-small] [--batch-size 16] [--rounds 10] [--calibrate]
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-small", help="GPT preset (default gpt-small)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--preset", action="store_true", help="price with the CPU preset, not a calibration")
+    parser.add_argument("--calibrate", action="store_true", help="price with a quick calibration")
     parser.add_argument("--cluster-file", help="a saved ClusterSpec JSON (e.g. from `autopar calibrate`)")
     args = parser.parse_args()
     _common.use_cpu_devices(8)
@@ -73,10 +74,10 @@ def main() -> None:
 
     if args.cluster_file:
         spec, source = cluster.ClusterSpec.load(args.cluster_file), f"--cluster-file {args.cluster_file}"
-    elif args.preset:
-        spec, source = cluster.preset("cpu"), "the CPU preset"
-    else:
+    elif args.calibrate:
         spec, source = calibrate.calibrate(quick=True, progress=False), "a quick calibration of these devices"
+    else:
+        spec, source = cluster.preset("cpu"), "the CPU preset"
     config = train.GPTConfig.preset(args.model)
     step, state = train.setup("gpt", "linen", config, optax.adamw(1e-3))
     batch = train.make_batch("gpt", config, args.batch_size)
@@ -147,7 +148,7 @@ def main() -> None:
             f"{spec.intra_host_bandwidth / 1e6:.0f} MB/s and {spec.intra_host_latency * 1e6:.1f} us",
             "rounds": f"{args.rounds} interleaved steps per plan after 2 warm-up steps",
             "command": f"python benchmarks/intra_op.py --model {args.model} --batch-size {args.batch_size} "
-            f"--rounds {args.rounds}" + (" --preset" if args.preset else ""),
+            f"--rounds {args.rounds}" + (" --calibrate" if args.calibrate else ""),
         },
         headers,
         rows,
