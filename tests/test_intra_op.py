@@ -331,3 +331,16 @@ def test_stage_dp_prices_layers_with_the_ilp():
     send = costs.latency[1, 3, k, q] - table[1:4, k, q].sum()
     one = costs.latency[3, 3, k, q] - table[3, k, q]
     assert send == pytest.approx(one, rel=1e-9) and send > 0
+
+
+def test_dry_run_with_sharding_costs():
+    config = train.tiny_config("gpt", num_layers=4)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
+    batch = train.make_batch("gpt", config, 16)
+    abstract = jax.eval_shape(lambda: (state, batch))
+    cluster = cluster_mod.parse_cluster("1x8xA100")
+    analytic = autopar.plan_step(step, *abstract, cluster=cluster, num_microbatches=2)
+    priced = autopar.plan_step(step, *abstract, cluster=cluster, num_microbatches=2, sharding_costs=True)
+    assert priced.predicted_step_time > 0 and priced.cuts == analytic.cuts
+    assert priced.predicted_step_time != analytic.predicted_step_time  # a different cost model
+    assert sum(len(st.device_ids) for st in priced.stages) <= 8

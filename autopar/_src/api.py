@@ -375,6 +375,8 @@ def plan_step(
     batch_argnums: int | Sequence[int] = (1,),
     schedule: schedule.ScheduleName = "1f1b",
     tensor_parallel: bool = True,
+    sharding_costs: bool = False,
+    platform: str = "",
 ) -> Plan:
     """Plans ``fn(*args)`` for ``cluster`` without devices: a dry run.
 
@@ -382,6 +384,9 @@ def plan_step(
     models far larger than this machine's memory can be planned; nothing is
     allocated. Device ids in the plan are ``0 .. cluster.num_devices - 1``, host by
     host. ``tensor_parallel`` lets stages use logical meshes with a model axis.
+    ``sharding_costs`` prices every stage with the per-layer sharding ILP, as a run with
+    ``sharding="auto"`` does, for devices of ``platform`` (e.g. ``"gpu"``; slower than the
+    analytic estimate on large clusters: one solve per distinct layer and logical mesh).
 
     Example:
       >>> abstract_state = jax.eval_shape(make_state)
@@ -406,6 +411,8 @@ def plan_step(
         schedule=schedule,
         spec=cluster,
         tensor_parallel=tensor_parallel,
+        sharding_costs=sharding_costs,
+        platform=platform,
         retrace=False,
     )
     return plan
