@@ -29,6 +29,7 @@ def plan_gpt(
     batch_size: int,
     num_layers: int | None,
     remat: bool = True,
+    sharding_costs: bool = False,
 ):
     """Plans one GPT step; returns (plan, seconds)."""
     import jax
@@ -57,7 +58,15 @@ def plan_gpt(
     spec = autopar.cluster_preset(device, hosts, devices_per_host=per_host)
     t0 = time.perf_counter()
     try:
-        plan = autopar.plan_step(step, state, {"tokens": tokens}, cluster=spec, num_microbatches="auto")
+        plan = autopar.plan_step(
+            step,
+            state,
+            {"tokens": tokens},
+            cluster=spec,
+            num_microbatches="auto",
+            sharding_costs=sharding_costs,
+            platform="gpu",
+        )
     except autopar.NoFeasiblePlanError as e:
         e.seconds = time.perf_counter() - t0
         raise
@@ -75,6 +84,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--sweep", action="store_true", help="24/48/96 layers x 8/16/32/64 devices")
     parser.add_argument("--no-remat", action="store_true", help="plan blocks without rematerialisation")
+    parser.add_argument(
+        "--sharding-costs", action="store_true", help="price stages with the per-layer sharding ILP"
+    )
     args = parser.parse_args()
     _common.use_cpu_devices(1)
     from autopar import NoFeasiblePlanError
@@ -88,6 +100,7 @@ def main() -> None:
             args.batch_size,
             None,
             remat=not args.no_remat,
+            sharding_costs=args.sharding_costs,
         )
         print(plan)
         print(f"planner_seconds={seconds:.3f}")
