@@ -9,7 +9,8 @@ from jax import lax
 
 from autopar._src import sharding_ilp
 from autopar._src.sharding_ilp import all_reduce_cost, reduce_scatter_cost
-from autopar._src.strategies import MeshSpec, build_graph, eqn_strategies, specs_of
+from autopar._src.strategies import MeshSpec, eqn_strategies
+from autopar._src.strategy_graph import build_graph, specs_of
 
 PEAK = 1e12
 MEM_BW = 1e12

@@ -23,7 +23,7 @@ from autopar._src.layout_costs import MeshSpec, share_bytes
 from autopar._src.partition import Program, Transfer
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.sharding_ilp import Node, Spec, expand, merge_forced, solve
-from autopar._src.strategies import GraphOp, graph_of
+from autopar._src.strategy_graph import GraphOp, graph_of
 from autopar._src.trace import TracedStep
 
 

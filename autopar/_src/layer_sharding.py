@@ -20,7 +20,7 @@ from autopar._src import compat, layers, partition
 from autopar._src.intra_op import logical_mesh
 from autopar._src.layout_costs import MeshSpec
 from autopar._src.sharding_ilp import expand, merge_forced, solve
-from autopar._src.strategies import GraphOp, graph_of
+from autopar._src.strategy_graph import GraphOp, graph_of
 from autopar._src.trace import TracedStep
 
 AXES = ("data", "model")
