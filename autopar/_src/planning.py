@@ -341,7 +341,10 @@ def auto_plan(
             traced, spec, submeshes, logical, dtype=prof.dtype, platform=platform
         )
 
-    sharded = sharded_for(step)
+    # The ILP's seconds do not shrink in proportion to the microbatch (collective latencies
+    # stay), so with the count to choose, it is chosen on the analytic costs at the traced
+    # batch and the stages are then priced by the ILP at the chosen microbatch.
+    sharded = None if num_microbatches is None else sharded_for(step)
 
     def solve(b: int, scale: float) -> tuple[stages.StageSolution, planner.StageCosts]:
         return planner.solve(
@@ -371,7 +374,7 @@ def auto_plan(
             prof = profile.layer_profile(step, tuple(batch_ids))
             cuts, flops, fingerprint = _region_layers(step)
             scale = 1.0
-            sharded = sharded_for(step)
+        sharded = sharded_for(step)
         flops = tuple(f * scale for f in flops)
     else:
         nmb, scale = num_microbatches, 1.0
