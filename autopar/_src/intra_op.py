@@ -26,7 +26,6 @@ from autopar._src.sharding_ilp import Node, Spec, expand, merge_forced, solve
 from autopar._src.strategy_graph import GraphOp, graph_of
 from autopar._src.trace import TracedStep
 
-
 STAGE_TIME_LIMIT = 120.0
 """Seconds HiGHS may spend on one stage. A 12-layer GPT-350M stage (7,525 nodes) solves to
 optimality in about a minute on two cores and finds nothing in 30 s (the greedy fallback
