@@ -22,7 +22,7 @@ from autopar._src import compat, layers
 from autopar._src.layout_costs import MeshSpec, share_bytes
 from autopar._src.partition import Program, Transfer
 from autopar._src.plan import Plan, StagePlan
-from autopar._src.sharding_ilp import Node, Spec, expand, merge_forced, solve
+from autopar._src.sharding_ilp import Node, Spec, solve_merged
 from autopar._src.strategy_graph import GraphOp, graph_of
 from autopar._src.trace import TracedStep
 
@@ -113,12 +113,7 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
     alias: dict[Any, Any] = {}
 
     def resolve(k: Any) -> Any:
-        if not isinstance(k, tuple):
-            return None
-        v = k[0]
-        while v in alias:
-            v = alias[v]
-        return v
+        return _root(alias, k[0]) if isinstance(k, tuple) else None
 
     ops: list[GraphOp] = []
     seen: set[int] = set()
@@ -172,19 +167,13 @@ def solve_stage(
     inputs = {producer[name][0] for name in producer if name not in made}
     nodes = tuple(n if i in inputs else _without_memory(n) for i, n in enumerate(nodes))
     nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)
-    reduced, reduced_edges, mapping = merge_forced(nodes, edges)
-    solution = expand(
-        solve(reduced, reduced_edges, memory_budget=memory_budget, time_limit=time_limit), mapping
-    )
+    solution, groups = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)
     specs = {
         name: nodes[i].strategies[solution.choices[i]].output_specs[k] for name, (i, k) in producer.items()
     }
     for v in alias:
-        root = v
-        while root in alias:
-            root = alias[root]
-        if root in specs:
-            specs[v] = specs[root]
+        if _root(alias, v) in specs:
+            specs[v] = specs[_root(alias, v)]
     strategies = {
         name: nodes[i].strategies[solution.choices[i]].name
         for name, (i, _) in producer.items()
@@ -208,8 +197,15 @@ def solve_stage(
         status=solution.status,
         solve_seconds=time.perf_counter() - start,
         num_nodes=len(nodes),
-        num_variables=len(reduced),
+        num_variables=groups,
     )
+
+
+def _root(alias: dict[Any, Any], v: Any) -> Any:
+    """The value ``v`` is an alias of (``v`` itself if none)."""
+    while v in alias:
+        v = alias[v]
+    return v
 
 
 def _transfer_counts(program: Program, stage: int, alias: dict[Any, Any]) -> dict[Any, int]:
@@ -217,9 +213,7 @@ def _transfer_counts(program: Program, stage: int, alias: dict[Any, Any]) -> dic
     counts: dict[Any, int] = {}
     for ins in program.instrs:
         if isinstance(ins, Transfer) and stage in (ins.src, ins.dst):
-            v = ins.key[0]
-            while v in alias:
-                v = alias[v]
+            v = _root(alias, ins.key[0])
             counts[v] = counts.get(v, 0) + 1
     for key, stages in program.input_stages.items():  # the batch: copied in every step
         if stage in stages and isinstance(key[1], int) and not isinstance(key[1], bool):

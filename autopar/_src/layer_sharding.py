@@ -19,7 +19,7 @@ from autopar._src import cluster as cluster_mod
 from autopar._src import compat, layers, partition
 from autopar._src.intra_op import logical_mesh
 from autopar._src.layout_costs import MeshSpec
-from autopar._src.sharding_ilp import expand, merge_forced, solve
+from autopar._src.sharding_ilp import solve_merged
 from autopar._src.strategy_graph import GraphOp, graph_of
 from autopar._src.trace import TracedStep
 
@@ -32,13 +32,8 @@ _CACHE: dict[tuple[Any, ...], float] = {}
 
 def layer_ops(step: TracedStep) -> list[list[GraphOp]]:
     """Per layer, its forward and backward equations as graph ops (boundary markers are identities)."""
-    at = step.region_index()
-    if at is None:
-        raise ValueError("The step has no autopar.value_and_grad; there are no layers.")
-    info = step.jaxpr.eqns[at].params["info"]
+    _, info, where = partition.layer_placement(step)
     rj = info.jaxpr
-    num_layers = len(info.cuts) + 1
-    where = partition.region_eqn_placement(rj, tuple(range(num_layers)))
     alias: dict[Any, Any] = {}
 
     def name(v: Any) -> Any:
@@ -48,7 +43,7 @@ def layer_ops(step: TracedStep) -> list[list[GraphOp]]:
             v = alias[v]
         return v
 
-    result: list[list[GraphOp]] = [[] for _ in range(num_layers)]
+    result: list[list[GraphOp]] = [[] for _ in range(len(info.cuts) + 1)]
     for eqn, (layer, _) in zip(rj.eqns, where, strict=True):
         if layers.is_boundary(eqn):
             for a, v in zip(eqn.invars, eqn.outvars, strict=True):
@@ -81,8 +76,7 @@ def _signature(ops: Sequence[GraphOp]) -> tuple[Any, ...]:
 
 def _objective(ops: Sequence[GraphOp], mesh: MeshSpec, time_limit: float) -> float:
     nodes, edges, _ = graph_of(ops, mesh)
-    reduced, reduced_edges, mapping = merge_forced(nodes, edges)
-    return expand(solve(reduced, reduced_edges, time_limit=time_limit), mapping).objective
+    return solve_merged(nodes, edges, time_limit=time_limit)[0].objective
 
 
 def layer_latency(

@@ -137,6 +137,20 @@ def region_eqn_placement(region_jaxpr: Any, layer_to_stage: Sequence[int]) -> li
     return placement
 
 
+def layer_placement(step: TracedStep) -> tuple[int, Any, list[tuple[int, str]]]:
+    """The grad region's equation index, its info, and the ``(layer, pass)`` of each of its
+    equations.
+
+    Raises:
+      ValueError: if the step has no grad region.
+    """
+    at = step.region_index()
+    if at is None:
+        raise ValueError("The step has no autopar.value_and_grad; there are no layers.")
+    info = step.jaxpr.eqns[at].params["info"]
+    return at, info, region_eqn_placement(info.jaxpr, tuple(range(len(info.cuts) + 1)))
+
+
 def _largest_input_stage(eqn: Any, producer_stage: dict[Any, int]) -> int | None:
     staged = [a for a in _eqn_invars(eqn) if a in producer_stage]
     if not staged:

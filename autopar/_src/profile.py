@@ -61,13 +61,9 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     Raises:
       ValueError: if the step has no grad region.
     """
-    at = step.region_index()
-    if at is None:
-        raise ValueError("The step has no autopar.value_and_grad; there are no layers to profile.")
-    info = step.jaxpr.eqns[at].params["info"]
+    at, info, where = partition.layer_placement(step)
     rj = info.jaxpr
     num_layers = len(info.cuts) + 1
-    where = partition.region_eqn_placement(rj, tuple(range(num_layers)))
     fwd = np.zeros(num_layers)
     bwd = np.zeros(num_layers)
     ops = np.zeros(num_layers, dtype=np.int64)

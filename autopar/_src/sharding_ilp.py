@@ -494,6 +494,20 @@ def expand(solution: ShardingSolution, mapping: ReductionMapping) -> ShardingSol
     return dataclasses.replace(solution, choices=tuple(choices))
 
 
+def solve_merged(
+    nodes: Sequence[Node],
+    edges: Sequence[Edge],
+    *,
+    memory_budget: float | None = None,
+    time_limit: float = 30.0,
+) -> tuple[ShardingSolution, int]:
+    """:func:`solve` on the problem :func:`merge_forced` reduces, expanded back to ``nodes``;
+    also the number of nodes the reduced problem had (its decision groups)."""
+    reduced, reduced_edges, mapping = merge_forced(nodes, edges)
+    solution = solve(reduced, reduced_edges, memory_budget=memory_budget, time_limit=time_limit)
+    return expand(solution, mapping), len(reduced)
+
+
 def _ring(num_bytes: float, num_devices: int, bandwidth: float, latency: float, steps: int) -> float:
     if num_devices < 1 or num_bytes < 0 or not bandwidth > 0 or latency < 0:
         raise ValueError(
