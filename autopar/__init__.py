@@ -3,7 +3,7 @@
 from autopar._src.api import AutoParallel, Options, autoparallel, plan_step
 from autopar._src.cluster import ClusterSpec, DeviceSpec, parse_cluster
 from autopar._src.cluster import preset as cluster_preset
-from autopar._src.compare import Comparison, Manual, compare, megatron_rules
+from autopar._src.compare import Comparison, Manual, compare, megatron_rules, rule_specs
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.stages import NoFeasiblePlanError
 from autopar._src.trace import grad, value_and_grad
@@ -25,6 +25,7 @@ __all__ = [
     "megatron_rules",
     "parse_cluster",
     "plan_step",
+    "rule_specs",
     "value_and_grad",
 ]
 __version__ = "0.1.0"

@@ -31,8 +31,13 @@ over all cells when there are none).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import sys
@@ -40,7 +45,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import _common  # noqa: E402
+from benchmarks import _common, _plan_ilp  # noqa: E402
 
 DEVICE_COUNTS = (8, 16, 32, 64)
 SIZES: dict[str, dict[str, dict[int, str]]] = {
@@ -130,10 +135,22 @@ def _faster(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any
 
 
 def plan_cell(
-    model: str, preset: str, num_devices: int, *, batch_size: int | None = None, max_microbatches: int = 64
+    model: str,
+    preset: str,
+    num_devices: int,
+    *,
+    batch_size: int | None = None,
+    max_microbatches: int = 64,
+    costs: str = "analytic",
+    ilp_microbatches: tuple[int, ...] = (64,),
 ) -> dict[str, Any]:
-    """Traces, profiles and plans one (model, cluster) cell; returns its results as plain data."""
+    """Traces, profiles and plans one (model, cluster) cell; returns its results as plain data.
+
+    ``costs="ilp"`` prices both sides with the sharding ILP (see ``benchmarks/_plan_ilp.py``)
+    at the microbatch counts ``ilp_microbatches``.
+    """
     import jax
+    import numpy as np
 
     from autopar._src import baselines, planner, planning, profile, trace
     from autopar._src.cluster import preset as cluster_preset
@@ -142,41 +159,59 @@ def plan_cell(
     step, state, batch, kind, batch_size = abstract_step(model, DTYPES[preset], batch_size)
     per_host = min(num_devices, 8)
     spec = cluster_preset(preset, num_devices // per_host, devices_per_host=per_host)
-    num_state = len(jax.tree.leaves(state))
-    batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
-    traced = planning.trace_at(
-        step, (state, batch), batch_ids, batch_size, trace.TraceOptions(num_layers=None)
-    )
-    prof = profile.layer_profile(traced, batch_ids)
+    if costs == "ilp":
+        candidates = tuple(b for b in ilp_microbatches if batch_size % b == 0)
+        priced = {}
+        for b in candidates:
+            free, pinned, prof = _plan_ilp.ilp_costs(
+                step, state, batch, spec, batch_size=batch_size, num_microbatches=b, dtype=DTYPES[preset]
+            )
+            priced[b] = [(free, True), (free, False), (pinned, None)]
+    else:
+        num_state = len(jax.tree.leaves(state))
+        batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
+        traced = planning.trace_at(
+            step, (state, batch), batch_ids, batch_size, trace.TraceOptions(num_layers=None)
+        )
+        prof = profile.layer_profile(traced, batch_ids)
+        candidates = planner.microbatch_candidates(batch_size, max_microbatches=max_microbatches)
     trace_seconds = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    autopar_best: dict[str, Any] | None = None
-    data_parallel_stages: dict[str, Any] | None = None
+    found: dict[str, dict[str, Any] | None] = {"autopar": None, "autopar_tp1": None}
     grids: dict[tuple[int, int, int], dict[str, Any] | None] = {}
-    candidates = planner.microbatch_candidates(batch_size, max_microbatches=max_microbatches)
     for b in candidates:
-        common = dict(
-            memory_budget=float(spec.device.memory_bytes),
-            num_devices=spec.num_devices,
-            num_microbatches=b,
-            schedule=SCHEDULE,
-        )
-        for tensor_parallel in (True, False):
-            costs = planner.stage_costs(
-                prof, spec, num_microbatches=b, batch_scale=1.0 / b, tensor_parallel=tensor_parallel
+        if costs == "ilp":
+            plans = priced[b]
+        else:
+            tp, dp = (
+                planner.stage_costs(prof, spec, num_microbatches=b, batch_scale=1.0 / b, tensor_parallel=t)
+                for t in (True, False)
             )
-            common["submesh_devices"] = [h * d for h, d in costs.submeshes]
-            found = _stage_search(costs, common)
-            if tensor_parallel:
-                autopar_best = _faster(autopar_best, found)
-                arrays = (costs.latency, costs.param_memory, costs.activation_memory)
-                plans = baselines.uniform_grid_plans(*arrays, logical_shapes=costs.logical, **common)
-                for grid, g in plans.items():
-                    found_grid = None if g is None else {"seconds": g.objective, "microbatches": b}
-                    grids[grid] = _faster(grids.get(grid), found_grid)
-            else:
-                data_parallel_stages = _faster(data_parallel_stages, found)
+            plans = [(tp, True), (dp, False), (tp, None)]
+        for c, autopar_tp in plans:
+            common = dict(
+                memory_budget=float(spec.device.memory_bytes),
+                num_devices=spec.num_devices,
+                num_microbatches=b,
+                schedule=SCHEDULE,
+                submesh_devices=[h * d for h, d in c.submeshes],
+            )
+            if autopar_tp is None:  # Megatron-style grids
+                arrays = (c.latency, c.param_memory, c.activation_memory)
+                for grid, g in baselines.uniform_grid_plans(
+                    *arrays, logical_shapes=c.logical, **common
+                ).items():
+                    grid_plan = None if g is None else {"seconds": g.objective, "microbatches": b}
+                    grids[grid] = _faster(grids.get(grid), grid_plan)
+                continue
+            if not autopar_tp and costs == "ilp":  # data-parallel logical meshes only
+                tp1 = np.array(
+                    [[s[1] == 1 for s in q] + [False] * (c.latency.shape[3] - len(q)) for q in c.logical]
+                )
+                c = dataclasses.replace(c, latency=np.where(tp1, c.latency, np.inf))
+            key = "autopar" if autopar_tp else "autopar_tp1"
+            found[key] = _faster(found[key], _stage_search(c, common))
     plan_seconds = time.perf_counter() - t1
     return {
         "model": model,
@@ -187,13 +222,19 @@ def plan_cell(
         "dtype": DTYPES[preset],
         "batch": batch_size,
         "layers": prof.num_layers,
+        "costs": costs,
         "microbatch_candidates": list(candidates),
-        "autopar": autopar_best,
-        "autopar_tp1": data_parallel_stages,
+        "autopar": found["autopar"],
+        "autopar_tp1": found["autopar_tp1"],
         "grids": {_grid_name(k): v for k, v in grids.items()},
         "trace_seconds": trace_seconds,
         "plan_seconds": plan_seconds,
     }
+
+
+def _plan_job(job: tuple[str, str, int], **kwargs: Any) -> dict[str, Any]:
+    model, preset, n = job
+    return plan_cell(model, preset, n, **kwargs)
 
 
 def cell_summary(cell: dict[str, Any]) -> dict[str, Any]:
@@ -295,9 +336,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None, help="default: Alpa's batch of each family")
     parser.add_argument("--max-microbatches", type=int, default=64)
     parser.add_argument(
+        "--costs",
+        default="analytic",
+        choices=["analytic", "ilp"],
+        help="analytic: the stage DP's analytic model, Megatron tensor parallelism on both sides "
+        "(default); ilp: each layer priced by the sharding ILP, free for autopar and with Megatron's "
+        "layouts pinned for the grids (slow: minutes per cell)",
+    )
+    parser.add_argument(
+        "--ilp-microbatches",
+        nargs="+",
+        type=int,
+        default=[64],
+        help="microbatch counts priced with --costs ilp (each is a trace and an ILP per layer and mesh)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="GPT and BERT on 8 and 16 V100s (under a minute)"
     )
     parser.add_argument("--smoke", action="store_true", help="gpt-small, batch 64, 8 V100s (seconds)")
+    parser.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
     parser.add_argument("--out-dir", default=_common.RESULTS, help="directory of the results files")
     args = parser.parse_args(argv)
     if args.quick:
@@ -321,14 +378,31 @@ def main(argv: list[str] | None = None) -> None:
             jobs += [(SIZES[args.sizes][f][n], preset, n) for f in args.families for n in args.devices]
     start = time.perf_counter()
     cells = []
-    for model, preset, n in jobs:
-        cell = plan_cell(model, preset, n, batch_size=args.batch_size, max_microbatches=args.max_microbatches)
-        cells.append(cell)
-        print(
-            " | ".join(map(str, table_row(cell))),
-            f"(trace {cell['trace_seconds']:.1f} s, plan {cell['plan_seconds']:.1f} s)",
-            flush=True,
+    plan = functools.partial(
+        _plan_job,
+        batch_size=args.batch_size,
+        max_microbatches=args.max_microbatches,
+        costs=args.costs,
+        ilp_microbatches=tuple(args.ilp_microbatches),
+    )
+    with (
+        concurrent.futures.ProcessPoolExecutor(
+            args.jobs,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_common.use_cpu_devices,
+            initargs=(1,),
         )
+        if args.jobs > 1
+        else contextlib.nullcontext() as pool
+    ):
+        results = pool.map(plan, jobs) if pool else map(plan, jobs)
+        for cell in results:
+            cells.append(cell)
+            print(
+                " | ".join(map(str, table_row(cell))),
+                f"(trace {cell['trace_seconds']:.1f} s, plan {cell['plan_seconds']:.1f} s)",
+                flush=True,
+            )
     elapsed = time.perf_counter() - start
     rows = [table_row(c) for c in cells]
     _common.print_table("plan quality (predicted step seconds)", HEADERS, rows)
@@ -342,20 +416,37 @@ def main(argv: list[str] | None = None) -> None:
         m = margins(cells, fams)
         if m is not None:
             summary.append(f"{label}: best grid / autopar min {m[0]:.3f}, median {m[1]:.3f}, max {m[2]:.3f}")
+    if args.costs == "ilp":
+        method = [
+            "Predicted step seconds, not measurements, with every layer priced by the sharding ILP on "
+            "every logical mesh (power-of-two submeshes, tensor-parallel degree up to one host): free "
+            "layouts for autopar, at most Megatron's bytes of each layer's inputs per device; Megatron-LM's "
+            "layouts pinned for the grids (`autopar.megatron_rules`: attention and MLP column/row "
+            "splits, each expert's hidden dim, Wide-ResNet's wide convolution pair), the ILP laying out "
+            "the rest. Both trace one microbatch and reduce gradients once per step; both share the "
+            f"analytic memory model. Microbatch counts: {', '.join(map(str, args.ilp_microbatches))}. "
+            "`pure DP` is the grid (N, 1, 1). `autopar tp=1` is autopar on (n, 1) logical meshes only.",
+        ]
+    else:
+        method = [
+            "Predicted step seconds of the analytic cost model, not measurements. `B` is the number of "
+            "microbatches; every plan picks its best. `pure DP` is the grid (N, 1, 1). `autopar tp=1` is "
+            "the stage search restricted to (n, 1) logical meshes. Tensor parallelism is priced as "
+            "Megatron's on both sides (`--costs ilp` prices autopar with its own sharding search).",
+            "",
+            "The cost model charges every collective of a stage whose submesh spans hosts (data- and "
+            "tensor-parallel alike) at the inter-host link, which on the V100 preset is slow (25 Gbit/s "
+            "per 8 GPUs). A grid whose stages are wider than one host therefore pays inter-host "
+            "all-reduces that Megatron-LM would keep inside a host for its tensor-parallel axis; the "
+            "largest ratios below (wide stages forced by memory) come mostly from that.",
+        ]
     notes = [
-        "Predicted step seconds of the analytic cost model, not measurements. `B` is the number of "
-        "microbatches; every plan picks its best. `grid / autopar` >= 1 means autopar's plan is at "
-        "least as fast as the best uniform (dp, tp, pp) grid. `pure DP` is the grid (N, 1, 1). "
-        "`autopar tp=1` is the stage search restricted to data-parallel logical meshes (what the "
-        "runtime executes today); tensor-parallel stages are planned analytically only. `OOM grids` "
-        "counts the grids that fit no microbatch count. Stage lists give each stage's logical mesh.",
+        *method,
         "",
-        "The cost model charges every collective of a stage whose submesh spans hosts (data- and "
-        "tensor-parallel alike) at the inter-host link, which on the V100 preset is slow (25 Gbit/s "
-        "per 8 GPUs). A grid whose stages are wider than one host therefore pays inter-host "
-        "all-reduces that Megatron-LM would keep inside a host for its tensor-parallel axis; the "
-        "largest ratios below (wide stages forced by memory) come mostly from that. Grids also "
-        "split the clustered layers equally, so `pp` is at most the number of layers.",
+        "`grid / autopar` >= 1 means autopar's plan is at least as fast as the best uniform "
+        "(dp, tp, pp) grid. `OOM grids` counts the grids that fit no microbatch count. Stage lists "
+        "give each stage's logical mesh. Grids split the clustered layers equally, so `pp` is at "
+        "most the number of layers.",
         "",
         *[f"- {line}." for line in summary],
         "",
@@ -380,10 +471,15 @@ def main(argv: list[str] | None = None) -> None:
         "cluster presets": ", ".join(args.presets) + " (8 devices per host)",
         "compute dtype": ", ".join(f"{p}: {DTYPES[p]}" for p in args.presets) + "; float32 parameters, adamw",
         "global batch": str(args.batch_size) if args.batch_size else "GPT/BERT/MoE 1024, Wide-ResNet 1536",
-        "microbatches": f"every divisor of the batch up to {args.max_microbatches}",
+        "microbatches": f"every divisor of the batch up to {args.max_microbatches}"
+        if args.costs == "analytic"
+        else ", ".join(map(str, args.ilp_microbatches)),
         "schedule": SCHEDULE,
         "GPT blocks": "rematerialised",
-        "costs": "analytic (autopar._src.planner.stage_costs, tensor_parallel=True)",
+        "costs": "analytic (autopar._src.planner.stage_costs, tensor_parallel=True)"
+        if args.costs == "analytic"
+        else "sharding ILP per layer (benchmarks/_plan_ilp.py), microbatches "
+        + ", ".join(map(str, args.ilp_microbatches)),
         "grids": "baselines.uniform_grid_plans: dp * tp * pp = N, pp <= layers, equal layers per stage",
         "command": " ".join(["python benchmarks/plan_quality.py", *(sys.argv[1:] if argv is None else argv)]),
     }
@@ -393,7 +489,12 @@ def main(argv: list[str] | None = None) -> None:
         ["v100", "h100"],
     )
     mode = "" if full else "_smoke" if args.smoke else "_quick" if args.quick else "_subset"
-    name = "plan_quality" + ("_alpa" if args.sizes == "alpa" and not args.models else "") + mode
+    name = (
+        "plan_quality"
+        + ("_ilp" if args.costs == "ilp" else "")
+        + ("_alpa" if args.sizes == "alpa" and not args.models else "")
+        + mode
+    )
     title = "Plan quality: autopar vs Megatron-style grids and data parallel"
     path = _common.write_markdown(name, title, config, HEADERS, rows, "\n".join(notes))
     with open(path.removesuffix(".md") + ".json", "w") as f:

@@ -47,26 +47,44 @@ class Manual:
         Raises:
           ValueError: if a rule's spec has more dims than the leaf it matches.
         """
-        compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
-
-        def for_leaf(path: Any, leaf: Any) -> NamedSharding:
-            text = jax.tree_util.keystr(path)
-            for pattern, spec in compiled:
-                if pattern.search(text):
-                    if len(spec) > np.ndim(leaf):
-                        raise ValueError(
-                            f"Rule {pattern.pattern!r} gives {spec} to {text} of shape {np.shape(leaf)}"
-                        )
-                    return NamedSharding(mesh, spec)
-            return NamedSharding(mesh, PartitionSpec())
-
-        shardings = tuple(
-            jax.tree.map(lambda leaf: NamedSharding(mesh, PartitionSpec(batch_axis)), arg)
-            if i in batch_argnums
-            else jax.tree_util.tree_map_with_path(for_leaf, arg)
-            for i, arg in enumerate(args)
+        specs = rule_specs(rules, args, batch_argnums=batch_argnums, batch_axis=batch_axis)
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
         )
         return cls(mesh=mesh, in_shardings=shardings, name=name)
+
+
+def rule_specs(
+    rules: Sequence[tuple[str, PartitionSpec]],
+    args: tuple[Any, ...],
+    *,
+    batch_argnums: Sequence[int] = (1,),
+    batch_axis: str = "data",
+) -> tuple[Any, ...]:
+    """The ``PartitionSpec`` of every leaf of ``args`` under path rules (see :meth:`Manual.from_rules`).
+
+    Raises:
+      ValueError: if a rule's spec has more dims than the leaf it matches.
+    """
+    compiled = [(re.compile(pattern), spec) for pattern, spec in rules]
+
+    def for_leaf(path: Any, leaf: Any) -> PartitionSpec:
+        text = jax.tree_util.keystr(path)
+        for pattern, spec in compiled:
+            if pattern.search(text):
+                if len(spec) > np.ndim(leaf):
+                    raise ValueError(
+                        f"Rule {pattern.pattern!r} gives {spec} to {text} of shape {np.shape(leaf)}"
+                    )
+                return spec
+        return PartitionSpec()
+
+    return tuple(
+        jax.tree.map(lambda leaf: PartitionSpec(batch_axis), arg)
+        if i in batch_argnums
+        else jax.tree_util.tree_map_with_path(for_leaf, arg)
+        for i, arg in enumerate(args)
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,9 +236,14 @@ def comparison_table(result: Comparison, manual_name: str = "manual") -> str:
 
 
 def megatron_rules(model_axis: str = "model") -> list[tuple[str, PartitionSpec]]:
-    """Megatron-LM tensor parallelism for the GPT/BERT models in ``models/``: column-split
-    q/k/v and the first MLP matmul, row-split the attention output and second MLP
-    matmul, vocabulary-split embeddings."""
+    """Megatron-LM tensor parallelism for the models in ``models/``.
+
+    GPT, BERT and the MoE transformer: column-split q/k/v and the first MLP matmul, row-split
+    the attention output and the second MLP matmul, vocabulary-split embeddings; each
+    expert's feed-forward split the same way inside the expert (its hidden dim). Wide-ResNet:
+    each bottleneck's wide 3x3 convolution split over its output channels and the 1x1
+    convolution after it over its input channels (the MLP pair's column and row).
+    """
     col, row = PartitionSpec(None, model_axis), PartitionSpec(model_axis, None)
     return [
         (r"\['(query|key|value|fc_in)'\]\['kernel'\]", col),
@@ -228,4 +251,9 @@ def megatron_rules(model_axis: str = "model") -> list[tuple[str, PartitionSpec]]
         (r"\['(out|fc_out)'\]\['kernel'\]", row),
         (r"\['embed'\]\['embedding'\]", row),
         (r"\['lm_head'\]\['kernel'\]", col),
+        (r"\['w_in'\]", PartitionSpec(None, None, model_axis)),
+        (r"\['w_out'\]", PartitionSpec(None, model_axis, None)),
+        (r"\['conv_2'\]\['kernel'\]", PartitionSpec(None, None, None, model_axis)),
+        (r"\['bn_2'\]\['(scale|bias)'\]", PartitionSpec(model_axis)),
+        (r"\['conv_3'\]\['kernel'\]", PartitionSpec(None, None, model_axis, None)),
     ]

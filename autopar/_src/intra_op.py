@@ -165,7 +165,7 @@ def solve_stage(
     nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed)
     made = {name for op in ops for name in op.outs if name is not None}
     inputs = {producer[name][0] for name in producer if name not in made}
-    nodes = tuple(n if i in inputs else _without_memory(n) for i, n in enumerate(nodes))
+    nodes = tuple(n if i in inputs else without_memory(n) for i, n in enumerate(nodes))
     nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)
     solution, groups = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)
     specs = {
@@ -279,7 +279,8 @@ def carried_state(step: TracedStep) -> dict[Any, Any]:
     return pairs
 
 
-def _without_memory(node: Node) -> Node:
+def without_memory(node: Node) -> Node:
+    """``node`` with no memory in its strategies (left out of the memory row)."""
     return Node(
         name=node.name,
         strategies=tuple(dataclasses.replace(s, memory_bytes=0.0) for s in node.strategies),

@@ -6,20 +6,32 @@ of :mod:`autopar._src.intra_op` is solved and its objective (compute, collective
 resharding, in seconds) becomes the layer's latency there. A stage's latency is the sum over
 its layers. Layers with the same equations on the same shapes (the blocks of a transformer)
 share one solve, and solves are cached for the process, keyed by that structure and the mesh.
+
+Each parameter's gradient is tied to the parameter by a resharding edge (the optimizer
+updates the parameter in its own layout), so a gradient left split over the batch axis pays
+the all-gather that puts the update back.
+
+Given ``fixed`` layouts of some step arguments (a hand-written plan's parameters), the
+layers are priced with those inputs pinned. Given ``memory_like`` layouts, the ILP lays out
+everything freely but may keep no more bytes of each layer's inputs per device than they
+would take under ``memory_like``: a plan at least as lean as the hand-written one, so that a
+memory model that assumes the hand-written split stays true.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from autopar._src import cluster as cluster_mod
 from autopar._src import compat, layers, partition
-from autopar._src.intra_op import logical_mesh
-from autopar._src.layout_costs import MeshSpec
-from autopar._src.sharding_ilp import solve_merged
+from autopar._src.intra_op import logical_mesh, without_memory
+from autopar._src.layout_costs import MeshSpec, shape_of
+from autopar._src.sharding_ilp import Edge, Node, Spec, solve_merged, total_memory
 from autopar._src.strategy_graph import GraphOp, graph_of
 from autopar._src.trace import TracedStep
 
@@ -27,41 +39,86 @@ AXES = ("data", "model")
 LAYER_TIME_LIMIT = 10.0
 """Seconds HiGHS may spend on one layer's problem."""
 
-_CACHE: dict[tuple[Any, ...], float] = {}
+_CACHE: dict[tuple[Any, ...], tuple[float, float]] = {}
+
+
+class LayerProblems:
+    """The grad region's layers as strategy-graph problems: ops, gradient ties, arguments."""
+
+    def __init__(self, step: TracedStep):
+        at, info, where = partition.layer_placement(step)
+        rj = info.jaxpr
+        alias: dict[Any, Any] = {}
+
+        def name(v: Any) -> Any:
+            if compat.is_literal(v) or compat.is_dropvar(v):
+                return None
+            while v in alias:
+                v = alias[v]
+            return v
+
+        ops: list[list[GraphOp]] = [[] for _ in range(len(info.cuts) + 1)]
+        for eqn, (layer, _) in zip(rj.eqns, where, strict=True):
+            if layers.is_boundary(eqn):
+                for a, v in zip(eqn.invars, eqn.outvars, strict=True):
+                    if name(a) is not None and not compat.is_dropvar(v):
+                        alias[v] = name(a)
+                continue
+            ops[layer].append(GraphOp(eqn, tuple(map(name, eqn.invars)), tuple(map(name, eqn.outvars))))
+        self.ops = ops
+        """Per layer, its forward and backward equations (boundary markers are identities)."""
+        region_inputs = [*rj.constvars, *rj.invars]
+        diff = region_inputs[len(region_inputs) - info.num_grads :]
+        grads = [name(v) for v in rj.outvars[len(rj.outvars) - info.num_grads :]]
+        self.carried = {g: p for g, p in zip(grads, diff, strict=True) if g is not None and g != p}
+        """Each gradient -> the parameter it updates."""
+        arg_index = {v: i for i, v in enumerate(step.arg_vars)}
+        self.region_arg = {
+            r: arg_index[v]
+            for r, v in zip(region_inputs, step.jaxpr.eqns[at].invars, strict=True)
+            if not compat.is_literal(v) and v in arg_index
+        }
+        """Region input -> the index of the step argument it is."""
+
+    def fixed(self, layouts: Mapping[int, Spec] | None, mesh: MeshSpec) -> dict[Any, Spec]:
+        """Region input -> layout on ``mesh`` of the arguments ``layouts`` gives, each axis kept
+        only on a dim it divides."""
+        if not layouts:
+            return {}
+        result: dict[Any, Spec] = {}
+        for r, i in self.region_arg.items():
+            if i in layouts:
+                shape = shape_of(r)
+                result[r] = tuple(
+                    a if a is not None and d < len(shape) and shape[d] % _size(mesh, a) == 0 else None
+                    for d, a in enumerate(layouts[i])
+                )
+        return result
+
+
+def _size(mesh: MeshSpec, axes: Any) -> int:
+    names = axes if isinstance(axes, tuple) else (axes,)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    n = 1
+    for a in names:
+        n *= sizes[a]
+    return n
 
 
 def layer_ops(step: TracedStep) -> list[list[GraphOp]]:
     """Per layer, its forward and backward equations as graph ops (boundary markers are identities)."""
-    _, info, where = partition.layer_placement(step)
-    rj = info.jaxpr
-    alias: dict[Any, Any] = {}
-
-    def name(v: Any) -> Any:
-        if compat.is_literal(v) or compat.is_dropvar(v):
-            return None
-        while v in alias:
-            v = alias[v]
-        return v
-
-    result: list[list[GraphOp]] = [[] for _ in range(len(info.cuts) + 1)]
-    for eqn, (layer, _) in zip(rj.eqns, where, strict=True):
-        if layers.is_boundary(eqn):
-            for a, v in zip(eqn.invars, eqn.outvars, strict=True):
-                if name(a) is not None and not compat.is_dropvar(v):
-                    alias[v] = name(a)
-            continue
-        result[layer].append(GraphOp(eqn, tuple(map(name, eqn.invars)), tuple(map(name, eqn.outvars))))
-    return result
+    return LayerProblems(step).ops
 
 
-def _signature(ops: Sequence[GraphOp]) -> tuple[Any, ...]:
-    """The structure of a layer: its equations' primitives, params and avals, and how they connect."""
+def _signature(ops: Sequence[GraphOp], fixed: Mapping[Any, Spec] | None = None) -> tuple[Any, ...]:
+    """The structure of a layer: its equations' primitives, params and avals, how they connect,
+    and the layouts ``fixed`` gives its inputs."""
     index: dict[Any, int] = {}
 
     def ref(n: Any) -> Any:
         return None if n is None else index.setdefault(n, len(index))
 
-    return tuple(
+    structure = tuple(
         (
             op.eqn.primitive.name,
             str(sorted((k, str(v)) for k, v in op.eqn.params.items() if not compat.sub_jaxprs(op.eqn))),
@@ -72,11 +129,92 @@ def _signature(ops: Sequence[GraphOp]) -> tuple[Any, ...]:
         )
         for op in ops
     )
+    return structure, tuple(sorted((index[n], spec) for n, spec in (fixed or {}).items() if n in index))
 
 
-def _objective(ops: Sequence[GraphOp], mesh: MeshSpec, time_limit: float) -> float:
-    nodes, edges, _ = graph_of(ops, mesh)
-    return solve_merged(nodes, edges, time_limit=time_limit)[0].objective
+def gradient_tail(ops: Sequence[GraphOp], grads: Sequence[Any]) -> set[int]:
+    """Indices of the ops that finish the gradients ``grads``: walking back from each gradient
+    through inputs as large as the op's output (casts, transposes, sums of contributions) to
+    the op that reduces a larger value into it (the weight-gradient matmul, the bias sum).
+
+    With gradients accumulated over microbatches, these ops' collectives (the all-reduce over
+    the batch axis) run once per step, not once per microbatch.
+    """
+    made_by = {name: j for j, op in enumerate(ops) for name in op.outs if name is not None}
+    tail: set[int] = set()
+    stack = [made_by[g] for g in grads if g in made_by]
+    while stack:
+        j = stack.pop()
+        if j in tail:
+            continue
+        tail.add(j)
+        op = ops[j]
+        size = max(math.prod(shape_of(v)) for v in op.eqn.outvars)
+        stack += [
+            made_by[name]
+            for name, v in zip(op.ins, op.eqn.invars, strict=True)
+            if name in made_by and math.prod(shape_of(v)) == size
+        ]
+    return tail
+
+
+def _solve(
+    ops: Sequence[GraphOp],
+    mesh: MeshSpec,
+    carried: Mapping[Any, Any],
+    fixed: Mapping[Any, Spec],
+    memory_budget: float | None,
+    time_limit: float,
+    microbatches: int,
+) -> tuple[float, float]:
+    """``(seconds, bytes of the layer's inputs per device)`` of the layer's best sharding."""
+    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed)
+    made = {name for op in ops for name in op.outs if name is not None}
+    inputs = {producer[name][0] for name in producer if name not in made}
+    nodes = tuple(n if i in inputs else without_memory(n) for i, n in enumerate(nodes))
+    if microbatches > 1:
+        nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
+    solution = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)[0]
+    return solution.objective, total_memory(nodes, solution.choices)
+
+
+def _once_per_step(
+    ops: Sequence[GraphOp],
+    nodes: tuple[Node, ...],
+    edges: tuple[Edge, ...],
+    producer: Mapping[Any, tuple[int, int]],
+    carried: Mapping[Any, Any],
+    microbatches: int,
+) -> tuple[tuple[Node, ...], tuple[Edge, ...]]:
+    """Per-microbatch costs with the gradients' collectives and their resharding into the
+    parameters' layouts spread over the step's ``microbatches``."""
+    tail = {
+        producer[name][0]
+        for j in gradient_tail(ops, list(carried))
+        for name in ops[j].outs
+        if name is not None
+    }
+    params = {producer[p][0] for g, p in carried.items() if g in producer and p in producer}
+    nodes = tuple(
+        Node(
+            name=n.name,
+            strategies=tuple(
+                dataclasses.replace(s, communication_cost=s.communication_cost / microbatches)
+                for s in n.strategies
+            ),
+        )
+        if i in tail
+        else n
+        for i, n in enumerate(nodes)
+    )
+    once = tail | params
+    edges = tuple(
+        Edge(src=e.src, dst=e.dst, cost=e.cost / microbatches)
+        if e.src in once and e.dst in once and (e.src in tail or e.dst in tail)
+        else e
+        for e in edges
+    )
+    return nodes, edges
 
 
 def layer_latency(
@@ -88,21 +226,45 @@ def layer_latency(
     dtype: str = "float32",
     time_limit: float = LAYER_TIME_LIMIT,
     platform: str = "",
+    fixed: Mapping[int, Spec] | None = None,
+    memory_like: Mapping[int, Spec] | None = None,
+    microbatches: int = 1,
 ) -> np.ndarray:
     """Seconds of one microbatch's forward and backward of each layer, ``[layer, submesh, logical]``.
 
+    ``fixed`` and ``memory_like`` map step argument indices (``step.arg_vars``) to layouts
+    over the axes ``("data", "model")``; an axis that does not divide a dim is dropped from
+    it. ``fixed`` pins those arguments' layouts. ``memory_like`` bounds each layer's input
+    bytes per device by what they take when those arguments are pinned (the layouts
+    themselves stay free). With ``microbatches`` > 1 the step traced one microbatch and the
+    gradients' collectives are spread over the step's microbatches (see :func:`gradient_tail`).
     Entries for logical meshes a submesh does not have are ``inf``.
+
+    Raises:
+      ValueError: if both ``fixed`` and ``memory_like`` are given.
     """
-    per_layer = layer_ops(step)
-    signatures = [_signature(ops) for ops in per_layer]
+    if fixed and memory_like:
+        raise ValueError("give fixed (pinned layouts) or memory_like (a memory bound), not both")
+    problems = LayerProblems(step)
     q_max = max(len(q) for q in logical)
-    result = np.full((len(per_layer), len(submeshes), q_max), np.inf)
+    result = np.full((len(problems.ops), len(submeshes), q_max), np.inf)
     for k, shapes in enumerate(logical):
         for q, shape in enumerate(shapes):
             mesh = logical_mesh(spec, tuple(shape), AXES, dtype, platform=platform)
-            for i, ops in enumerate(per_layer):
-                key = (signatures[i], mesh)
+            pinned = problems.fixed(fixed or memory_like, mesh)
+            for i, ops in enumerate(problems.ops):
+                key = (_signature(ops, pinned), mesh, microbatches)
                 if key not in _CACHE:
-                    _CACHE[key] = _objective(ops, mesh, time_limit)
-                result[i, k, q] = _CACHE[key]
+                    _CACHE[key] = _solve(ops, mesh, problems.carried, pinned, None, time_limit, microbatches)
+                seconds, memory = _CACHE[key]
+                if memory_like:
+                    free_key = (key, "memory_like")
+                    if free_key not in _CACHE:
+                        budget = memory * (1 + 1e-9)
+                        free = _solve(ops, mesh, problems.carried, {}, budget, time_limit, microbatches)
+                        # The pinned layouts are one of the free problem's answers: a time-limited
+                        # solve that found worse keeps them.
+                        _CACHE[free_key] = min(free, (seconds, memory))
+                    seconds = _CACHE[free_key][0]
+                result[i, k, q] = seconds
     return result

@@ -134,8 +134,12 @@ def stage_costs(
     compute_time = np.full(shape, np.inf)
 
     def ranges(x: np.ndarray) -> np.ndarray:
-        p = np.concatenate([[0.0], np.cumsum(x)])
-        return p[None, 1:] - p[:-1, None]  # [i, j] = sum of x[i..j]
+        def prefix(y: np.ndarray) -> np.ndarray:
+            p = np.concatenate([[0.0], np.cumsum(y)])
+            return p[None, 1:] - p[:-1, None]  # [i, j] = sum of y[i..j]
+
+        unpriced = ~np.isfinite(x)  # e.g. a mesh the sharding costs leave out: inf over any range
+        return np.where(prefix(unpriced) > 0, np.inf, prefix(np.where(unpriced, 0.0, x)))
 
     flops = ranges((profile.forward_flops + profile.backward_flops) * batch_scale)
     params = ranges(profile.param_bytes)
