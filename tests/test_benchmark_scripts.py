@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,18 +27,19 @@ def _run(script: str, *args: str) -> list[str]:
     return proc.stdout.strip().splitlines()
 
 
-def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path):
-    lines = _run("plan_quality.py", "--smoke", "--out-dir", str(tmp_path))
+@pytest.mark.parametrize("costs", ["analytic", "ilp"])
+def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, costs):
+    lines = _run("plan_quality.py", "--smoke", "--costs", costs, "--out-dir", str(tmp_path))
     match = re.fullmatch(r"min_ratio_vs_best_grid=(\S+)", lines[-1])
     assert match, lines[-1]
     # Every grid is a plan the stage search considers, so autopar is never slower.
     assert float(match[1]) >= 1 - 1e-9
     [md] = [p for p in os.listdir(tmp_path) if p.endswith(".md")]
-    assert md.startswith("plan_quality_smoke_")
+    assert md.startswith("plan_quality_ilp_smoke_" if costs == "ilp" else "plan_quality_smoke_")
     assert "| gpt-small | 8xV100 |" in (tmp_path / md).read_text()
     data = json.loads((tmp_path / md.replace(".md", ".json")).read_text())
     [cell] = data["cells"]
-    assert cell["autopar"]["seconds"] > 0 and "8x1x1" in cell["grids"]
+    assert cell["autopar"]["seconds"] > 0 and "8x1x1" in cell["grids"] and cell["costs"] == costs
 
 
 def test_gpu_single_tiny_ends_with_mfu(tmp_path):
