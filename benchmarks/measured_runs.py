@@ -4,8 +4,9 @@ For the tiny GPT, BERT, Wide-ResNet and MoE configs, ``autopar.compare`` runs ea
 plan and each manual plan from the same state on the same batches, alternating step by
 step, and checks that losses and final states agree. Autopar plans: ``num_stages="auto"``
 with the default cluster, and a 2-stage pipeline. Manual plans: pure data parallel
-(``Manual.from_rules`` on an 8 x 1 mesh with no rules) and, for GPT and BERT, Megatron-style
-tensor parallelism (``autopar.megatron_rules()`` on a 2 x 4 ("data", "model") mesh).
+(``Manual.from_rules`` on an 8 x 1 mesh with no rules) and Megatron-style tensor parallelism
+(``autopar.megatron_rules()`` on a 2 x 4 ("data", "model") mesh: attention and MLP
+column/row splits, each expert's hidden dim, Wide-ResNet's wide convolution pair).
 
 BatchNorm statistics and MoE routing groups are computed per microbatch, so Wide-ResNet and
 MoE run one microbatch (other counts would be a different computation, not a rounding
@@ -58,15 +59,14 @@ def run_kind(kind: str, *, batch_size: int, steps: int, learning_rate: float) ->
             Mesh(devices.reshape(8, 1), ("data", "model")), [], (state, batches[0]), name="pjit data parallel"
         )
     ]
-    if kind not in PER_MICROBATCH:
-        manuals.append(
-            autopar.Manual.from_rules(
-                Mesh(devices.reshape(2, 4), ("data", "model")),
-                autopar.megatron_rules(),
-                (state, batches[0]),
-                name="pjit Megatron 2x4",
-            )
+    manuals.append(
+        autopar.Manual.from_rules(
+            Mesh(devices.reshape(2, 4), ("data", "model")),
+            autopar.megatron_rules(),
+            (state, batches[0]),
+            name="pjit Megatron 2x4",
         )
+    )
     per_mb = kind in PER_MICROBATCH
     options = {
         "autopar auto": dict(num_stages="auto", num_microbatches=1 if per_mb else "auto"),
