@@ -14,6 +14,12 @@ Each keeps its best microbatch count. The ratio best grid / autopar is >= 1 when
 plan is at least as fast; the grids lie inside the stage search's space, so a ratio below 1
 would be a bug. These are predicted step times of the analytic model, not measurements.
 
+With ``--costs ilp`` both sides are priced by the sharding ILP instead (see
+``benchmarks/_plan_ilp.py``): the grids with Megatron-LM's layouts pinned, autopar with free
+layouts that hold no more bytes per device; each microbatch count is a trace of one
+microbatch and an ILP per distinct layer and logical mesh (minutes per cell; ``--jobs``
+plans cells in parallel processes).
+
 Models are paired with cluster sizes as in Alpa's weak scaling (Zheng et al., OSDI 2022,
 Table 4), shifted down: the models Alpa ran on 1, 4, 8 and 16 GPUs run here on 8, 16, 32
 and 64 devices (BERT, which Alpa did not run, keeps its largest preset on 64).
@@ -23,6 +29,7 @@ and 64 devices (BERT, which Alpa did not run, keeps its largest preset on 64).
     python benchmarks/plan_quality.py --sizes alpa        # Alpa's own 8..64-GPU model sizes
     python benchmarks/plan_quality.py --families gpt --devices 8 --presets h100
     python benchmarks/plan_quality.py --smoke --out-dir /tmp/results   # one tiny model, seconds
+    python benchmarks/plan_quality.py --costs ilp --jobs 2      # ILP-priced, ~75 min on 2 cores
 
 The last line printed is ``min_ratio_vs_best_grid=<float>`` (over the GPT and BERT cells run;
 over all cells when there are none).
