@@ -97,12 +97,7 @@ class LayerProblems:
 
 
 def _size(mesh: MeshSpec, axes: Any) -> int:
-    names = axes if isinstance(axes, tuple) else (axes,)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-    n = 1
-    for a in names:
-        n *= sizes[a]
-    return n
+    return math.prod(mesh.size(a) for a in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 def layer_ops(step: TracedStep) -> list[list[GraphOp]]:
@@ -110,9 +105,11 @@ def layer_ops(step: TracedStep) -> list[list[GraphOp]]:
     return LayerProblems(step).ops
 
 
-def _signature(ops: Sequence[GraphOp], fixed: Mapping[Any, Spec] | None = None) -> tuple[Any, ...]:
+def _signature(
+    ops: Sequence[GraphOp], fixed: Mapping[Any, Spec] | None = None, carried: Mapping[Any, Any] | None = None
+) -> tuple[Any, ...]:
     """The structure of a layer: its equations' primitives, params and avals, how they connect,
-    and the layouts ``fixed`` gives its inputs."""
+    the layouts ``fixed`` gives its inputs and which of its values are gradients of which."""
     index: dict[Any, int] = {}
 
     def ref(n: Any) -> Any:
@@ -129,7 +126,11 @@ def _signature(ops: Sequence[GraphOp], fixed: Mapping[Any, Spec] | None = None) 
         )
         for op in ops
     )
-    return structure, tuple(sorted((index[n], spec) for n, spec in (fixed or {}).items() if n in index))
+    pins = tuple(sorted((index[n], spec) for n, spec in (fixed or {}).items() if n in index))
+    ties = tuple(
+        sorted((index[g], index[p]) for g, p in (carried or {}).items() if g in index and p in index)
+    )
+    return structure, pins, ties
 
 
 def gradient_tail(ops: Sequence[GraphOp], grads: Sequence[Any]) -> set[int]:
@@ -253,7 +254,7 @@ def layer_latency(
             mesh = logical_mesh(spec, tuple(shape), AXES, dtype, platform=platform)
             pinned = problems.fixed(fixed or memory_like, mesh)
             for i, ops in enumerate(problems.ops):
-                key = (_signature(ops, pinned), mesh, microbatches)
+                key = (_signature(ops, pinned, problems.carried), mesh, microbatches)
                 if key not in _CACHE:
                     _CACHE[key] = _solve(ops, mesh, problems.carried, pinned, None, time_limit, microbatches)
                 seconds, memory = _CACHE[key]
