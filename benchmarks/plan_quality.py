@@ -173,7 +173,11 @@ def plan_cell(
             free, pinned, prof = _plan_ilp.ilp_costs(
                 step, state, batch, spec, batch_size=batch_size, num_microbatches=b, dtype=DTYPES[preset]
             )
-            priced[b] = [(free, True), (free, False), (pinned, None)]
+            data_parallel = np.array(
+                [[s[1] == 1 for s in q] + [False] * (free.latency.shape[3] - len(q)) for q in free.logical]
+            )
+            only_dp = dataclasses.replace(free, latency=np.where(data_parallel, free.latency, np.inf))
+            priced[b] = {"autopar": free, "autopar_tp1": only_dp, "grids": pinned}
     else:
         num_state = len(jax.tree.leaves(state))
         batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
@@ -195,8 +199,8 @@ def plan_cell(
                 planner.stage_costs(prof, spec, num_microbatches=b, batch_scale=1.0 / b, tensor_parallel=t)
                 for t in (True, False)
             )
-            plans = [(tp, True), (dp, False), (tp, None)]
-        for c, autopar_tp in plans:
+            plans = {"autopar": tp, "autopar_tp1": dp, "grids": tp}
+        for role, c in plans.items():
             common = dict(
                 memory_budget=float(spec.device.memory_bytes),
                 num_devices=spec.num_devices,
@@ -204,7 +208,7 @@ def plan_cell(
                 schedule=SCHEDULE,
                 submesh_devices=[h * d for h, d in c.submeshes],
             )
-            if autopar_tp is None:  # Megatron-style grids
+            if role == "grids":  # Megatron-style grids
                 arrays = (c.latency, c.param_memory, c.activation_memory)
                 for grid, g in baselines.uniform_grid_plans(
                     *arrays, logical_shapes=c.logical, **common
@@ -212,13 +216,7 @@ def plan_cell(
                     grid_plan = None if g is None else {"seconds": g.objective, "microbatches": b}
                     grids[grid] = _faster(grids.get(grid), grid_plan)
                 continue
-            if not autopar_tp and costs == "ilp":  # data-parallel logical meshes only
-                tp1 = np.array(
-                    [[s[1] == 1 for s in q] + [False] * (c.latency.shape[3] - len(q)) for q in c.logical]
-                )
-                c = dataclasses.replace(c, latency=np.where(tp1, c.latency, np.inf))
-            key = "autopar" if autopar_tp else "autopar_tp1"
-            found[key] = _faster(found[key], _stage_search(c, common))
+            found[role] = _faster(found[role], _stage_search(c, common))
     plan_seconds = time.perf_counter() - t1
     return {
         "model": model,

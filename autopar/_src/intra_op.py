@@ -113,7 +113,7 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
     alias: dict[Any, Any] = {}
 
     def resolve(k: Any) -> Any:
-        return _root(alias, k[0]) if isinstance(k, tuple) else None
+        return alias_root(alias, k[0]) if isinstance(k, tuple) else None
 
     ops: list[GraphOp] = []
     seen: set[int] = set()
@@ -164,16 +164,15 @@ def solve_stage(
     ops, alias = stage_ops(program, stage)
     nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed)
     made = {name for op in ops for name in op.outs if name is not None}
-    inputs = {producer[name][0] for name in producer if name not in made}
-    nodes = tuple(n if i in inputs else without_memory(n) for i, n in enumerate(nodes))
+    nodes = inputs_memory_only(nodes, producer, made)
     nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)
     solution, groups = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)
     specs = {
         name: nodes[i].strategies[solution.choices[i]].output_specs[k] for name, (i, k) in producer.items()
     }
     for v in alias:
-        if _root(alias, v) in specs:
-            specs[v] = specs[_root(alias, v)]
+        if alias_root(alias, v) in specs:
+            specs[v] = specs[alias_root(alias, v)]
     strategies = {
         name: nodes[i].strategies[solution.choices[i]].name
         for name, (i, _) in producer.items()
@@ -201,7 +200,7 @@ def solve_stage(
     )
 
 
-def _root(alias: dict[Any, Any], v: Any) -> Any:
+def alias_root(alias: dict[Any, Any], v: Any) -> Any:
     """The value ``v`` is an alias of (``v`` itself if none)."""
     while v in alias:
         v = alias[v]
@@ -213,7 +212,7 @@ def _transfer_counts(program: Program, stage: int, alias: dict[Any, Any]) -> dic
     counts: dict[Any, int] = {}
     for ins in program.instrs:
         if isinstance(ins, Transfer) and stage in (ins.src, ins.dst):
-            v = _root(alias, ins.key[0])
+            v = alias_root(alias, ins.key[0])
             counts[v] = counts.get(v, 0) + 1
     for key, stages in program.input_stages.items():  # the batch: copied in every step
         if stage in stages and isinstance(key[1], int) and not isinstance(key[1], bool):
@@ -279,11 +278,19 @@ def carried_state(step: TracedStep) -> dict[Any, Any]:
     return pairs
 
 
-def without_memory(node: Node) -> Node:
-    """``node`` with no memory in its strategies (left out of the memory row)."""
-    return Node(
-        name=node.name,
-        strategies=tuple(dataclasses.replace(s, memory_bytes=0.0) for s in node.strategies),
+def inputs_memory_only(
+    nodes: tuple[Node, ...], producer: dict[Any, tuple[int, int]], made: set[Any]
+) -> tuple[Node, ...]:
+    """``nodes`` with memory left only in the input nodes (the values no op in ``made`` makes):
+    the memory row counts what a stage or layer receives, not its temporaries."""
+    inputs = {producer[name][0] for name in producer if name not in made}
+    return tuple(
+        n
+        if i in inputs
+        else Node(
+            name=n.name, strategies=tuple(dataclasses.replace(s, memory_bytes=0.0) for s in n.strategies)
+        )
+        for i, n in enumerate(nodes)
     )
 
 

@@ -29,8 +29,8 @@ import numpy as np
 
 from autopar._src import cluster as cluster_mod
 from autopar._src import compat, layers, partition
-from autopar._src.intra_op import logical_mesh, without_memory
-from autopar._src.layout_costs import MeshSpec, shape_of
+from autopar._src.intra_op import alias_root, inputs_memory_only, logical_mesh
+from autopar._src.layout_costs import MeshSpec, divides, shape_of
 from autopar._src.sharding_ilp import Edge, Node, Spec, solve_merged, total_memory
 from autopar._src.strategy_graph import GraphOp, graph_of
 from autopar._src.trace import TracedStep
@@ -51,11 +51,7 @@ class LayerProblems:
         alias: dict[Any, Any] = {}
 
         def name(v: Any) -> Any:
-            if compat.is_literal(v) or compat.is_dropvar(v):
-                return None
-            while v in alias:
-                v = alias[v]
-            return v
+            return None if compat.is_literal(v) or compat.is_dropvar(v) else alias_root(alias, v)
 
         ops: list[list[GraphOp]] = [[] for _ in range(len(info.cuts) + 1)]
         for eqn, (layer, _) in zip(rj.eqns, where, strict=True):
@@ -90,19 +86,10 @@ class LayerProblems:
             if i in layouts:
                 shape = shape_of(r)
                 result[r] = tuple(
-                    a if a is not None and d < len(shape) and shape[d] % _size(mesh, a) == 0 else None
+                    a if a is not None and d < len(shape) and divides(shape, d, a, mesh) else None
                     for d, a in enumerate(layouts[i])
                 )
         return result
-
-
-def _size(mesh: MeshSpec, axes: Any) -> int:
-    return math.prod(mesh.size(a) for a in (axes if isinstance(axes, tuple) else (axes,)))
-
-
-def layer_ops(step: TracedStep) -> list[list[GraphOp]]:
-    """Per layer, its forward and backward equations as graph ops (boundary markers are identities)."""
-    return LayerProblems(step).ops
 
 
 def _signature(
@@ -170,9 +157,7 @@ def _solve(
 ) -> tuple[float, float]:
     """``(seconds, bytes of the layer's inputs per device)`` of the layer's best sharding."""
     nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed)
-    made = {name for op in ops for name in op.outs if name is not None}
-    inputs = {producer[name][0] for name in producer if name not in made}
-    nodes = tuple(n if i in inputs else without_memory(n) for i, n in enumerate(nodes))
+    nodes = inputs_memory_only(nodes, producer, {name for op in ops for name in op.outs if name is not None})
     if microbatches > 1:
         nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
     solution = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)[0]
