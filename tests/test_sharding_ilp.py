@@ -166,6 +166,7 @@ class _Result:
 
 def test_no_incumbent_falls_back_to_greedy(monkeypatch):
     nodes, edges = _chain()
+    monkeypatch.setattr(si, "_integral_relaxation", lambda *args: None)  # straight to the MILP
     monkeypatch.setattr(si, "milp", lambda *args, **kwargs: _Result(None, 1))
     solution = si.solve(nodes, edges)
     assert solution.status == "fallback" and solution.choices == (0, 0) and solution.objective == 7.0
@@ -174,15 +175,41 @@ def test_no_incumbent_falls_back_to_greedy(monkeypatch):
 def test_greedy_fallback_keeps_the_budget_reachable(monkeypatch):
     # Cheapest first would put both on 10 bytes; the budget leaves room for only one.
     nodes = [_node("a", [1.0, 3.0], [10.0, 1.0]), _node("b", [1.0, 2.0], [10.0, 1.0])]
+    monkeypatch.setattr(si, "_integral_relaxation", lambda *args: None)  # straight to the MILP
     monkeypatch.setattr(si, "milp", lambda *args, **kwargs: _Result(None, 2))
     solution = si.solve(nodes, [], memory_budget=11.0)
     assert solution.status == "fallback" and solution.choices == (0, 1)
+
+
+def test_an_integral_relaxation_is_the_answer_without_the_milp(monkeypatch):
+    nodes, edges = _chain()
+    monkeypatch.setattr(si, "milp", lambda *args, **kwargs: pytest.fail("the MILP ran"))
+    solution = si.solve(nodes, edges)
+    assert solution.status == "optimal" and solution.choices == si.brute_force(nodes, edges).choices
+
+
+def test_a_fractional_relaxation_goes_to_the_milp(monkeypatch):
+    # An odd cycle that wants every neighbour different: the LP's optimum takes each strategy
+    # by halves, which no integral choice can.
+    differ = np.array([[1.0, 0.0], [0.0, 1.0]])
+    nodes = [_node(n, [0.0, 0.0]) for n in "abc"]
+    edges = [
+        Edge(src=0, dst=1, cost=differ),
+        Edge(src=1, dst=2, cost=differ),
+        Edge(src=0, dst=2, cost=differ),
+    ]
+    calls = []
+    milp = si.milp
+    monkeypatch.setattr(si, "milp", lambda *args, **kwargs: calls.append(1) or milp(*args, **kwargs))
+    solution = si.solve(nodes, edges)
+    assert calls and solution.status == "optimal" and solution.objective == 1.0
 
 
 def test_time_limit_with_incumbent_is_reported(monkeypatch):
     nodes, edges = _chain()
     # Variables: s_a (2), s_b (2), then e for the finite pairs (0, 0), (0, 1), (1, 1).
     incumbent = np.array([0.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    monkeypatch.setattr(si, "_integral_relaxation", lambda *args: None)  # straight to the MILP
     monkeypatch.setattr(si, "milp", lambda *args, **kwargs: _Result(incumbent, 1))
     solution = si.solve(nodes, edges)
     assert solution.status == "time_limit" and solution.choices == (1, 1) and solution.objective == 3.5
@@ -191,6 +218,7 @@ def test_time_limit_with_incumbent_is_reported(monkeypatch):
 def test_time_limit_keeps_the_greedy_when_it_beats_the_incumbent(monkeypatch):
     nodes, edges = _chain()
     incumbent = np.array([1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0])  # (0, 1): 7.5 s; the greedy's (0, 0) is 7 s
+    monkeypatch.setattr(si, "_integral_relaxation", lambda *args: None)  # straight to the MILP
     monkeypatch.setattr(si, "milp", lambda *args, **kwargs: _Result(incumbent, 1))
     solution = si.solve(nodes, edges)
     assert solution.status == "time_limit" and solution.choices == (0, 0) and solution.objective == 7.0
@@ -294,7 +322,26 @@ def test_resharding_cost_hand_computed():
     assert _reshard(("x",), ("x", None)) == 0.0  # trailing dims are replicated
 
 
+def test_resharding_cost_with_dims_over_several_axes():
+    # 8 x 16 float32 = 512 bytes; split over x (2) and y (4) together, 64 bytes per device.
+    xy = ("x", "y")
+    assert _reshard((xy, None), (xy, None)) == 0.0
+    assert _reshard(("x", None), (xy, None)) == 0.0  # y is a local slice
+    gather_y = 0.75 * 256 / 1e10 + 3 * 2e-6
+    assert _reshard((xy, None), ("x", None)) == pytest.approx(gather_y)
+    assert _reshard((xy, None), ("x", "y")) == pytest.approx(0.75 * 64 / 1e10 + 3 * 2e-6)  # y: all-to-all
+    assert _reshard((xy, None), (None, None)) == pytest.approx(gather_y + 0.5 * 512 / 1e9 + 1e-6)
+    # y keeps its dim but not its place behind x: gather x, then y moves by all-to-all.
+    assert _reshard((xy, None), ("y", None)) == pytest.approx(
+        0.5 * 128 / 1e9 + 1e-6 + 0.75 * 128 / 1e10 + 3 * 2e-6
+    )
+
+
 def test_resharding_cost_rejects_bad_specs():
+    with pytest.raises(ValueError, match="distinct axes"):
+        _reshard((("x", "x"), None), (None, None))
+    with pytest.raises(ValueError, match="distinct axes"):
+        _reshard((("x", "y"), "y"), (None, None))
     with pytest.raises(ValueError, match="distinct axes"):
         _reshard(("x", "x"), (None, None))
     with pytest.raises(ValueError, match="distinct axes"):

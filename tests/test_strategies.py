@@ -82,6 +82,16 @@ def test_mesh_spec_validates_fields():
             memory_bandwidth=1,
         )
     assert mesh(2, 4).num_devices == 8 and mesh(2, 4).size("model") == 4
+    assert mesh(2, 4).size(("data", "model")) == 8
+    assert mesh(2, 4).link(("data", "model")) == (BW["data"], LAT["data"])  # the slower link
+
+
+def test_candidate_specs_split_dim0_over_every_device_of_a_2d_mesh():
+    from autopar._src.layout_costs import candidate_specs
+
+    assert ((("data", "model"), None)) in candidate_specs((64, 32), mesh(2, 4))
+    assert not any(isinstance(a, tuple) for s in candidate_specs((12, 32), mesh(2, 4)) for a in s)  # 8 ∤ 12
+    assert not any(isinstance(a, tuple) for s in candidate_specs((64, 32), mesh(1, 8)) for a in s)
 
 
 def test_dot_general_on_1x8_mesh():
@@ -123,7 +133,7 @@ def test_dot_general_on_1x8_mesh():
 def test_dot_general_on_2x4_mesh_has_2d_combinations():
     (eqn,) = eqns_of(jnp.matmul, X, W)
     strategies = eqn_strategies(eqn, mesh(2, 4))
-    assert len(strategies) <= 8
+    assert len(strategies) <= 16
     s = by_name(strategies)
     assert {"replicated", "batch[data]", "batch[model]", "column[model]", "row_allreduce[model]"} <= set(s)
 
@@ -141,6 +151,23 @@ def test_dot_general_on_2x4_mesh_has_2d_combinations():
     assert row.communication_cost == pytest.approx(all_reduce_cost(OUT_BYTES / 2, 4, **link("model")))
     assert row.compute_cost == pytest.approx(FLOPS / 8 / PEAK)
     assert row.memory_bytes == pytest.approx(32 * 16 * 4 / 4 + OUT_BYTES / 2)
+
+    every = s["batch[data.model]"]  # the batch over all 8 devices
+    assert every.input_specs == ((("data", "model"), None), (None, None))
+    assert every.output_specs == ((("data", "model"), None),) and every.communication_cost == 0
+    assert every.compute_cost == pytest.approx(FLOPS / 8 / PEAK)
+    assert every.memory_bytes == pytest.approx(32 * 16 * 4 + OUT_BYTES / 8)
+
+    # partial sums over all 8 devices: a ring over both axes, as slow as the slower one
+    row8 = s["row_allreduce[data.model]"]
+    assert row8.input_specs == ((None, ("data", "model")), (("data", "model"), None))
+    slow = {"bandwidth": BW["data"], "latency": LAT["data"]}
+    assert row8.communication_cost == pytest.approx(all_reduce_cost(OUT_BYTES, 8, **slow))
+
+    # a weight gradient under data x tensor parallelism: contracted batch over data, columns over model
+    grad = s["row_allreduce[data]+column[model]"]
+    assert grad.input_specs == ((None, "data"), ("data", "model")) and grad.output_specs == ((None, "model"),)
+    assert grad.communication_cost == pytest.approx(all_reduce_cost(OUT_BYTES / 4, 2, **link("data")))
 
 
 def test_batched_dot_general_splits_batch_and_heads():
@@ -161,9 +188,38 @@ def test_conv_batch_and_channel_splits():
         "batch[model]",
         "channel[model]",
         "batch[data]+channel[model]",
+        "batch[data.model]",
+        "channel[data.model]",
     }
     assert s["channel[model]"].output_specs == ((None, "model", None, None),)
+    assert s["batch[data.model]"].output_specs == ((("data", "model"), None, None, None),)
     assert s["batch[data]+channel[model]"].compute_cost == pytest.approx(s["replicated"].compute_cost / 8)
+
+
+def test_conv_weight_gradient_of_a_batch_split_is_an_all_reduce():
+    x, w = jnp.ones((8, 16, 16, 32)), jnp.ones((3, 3, 32, 64))
+
+    def loss(x, w):
+        dn = ("NHWC", "HWIO", "NHWC")
+        return jnp.sum(lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn) ** 2)
+
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=1))(x, w)
+    forward, wgrad = [e for e in closed.jaxpr.eqns if e.primitive.name == "conv_general_dilated"]
+    s = by_name(eqn_strategies(wgrad, mesh(2, 4)))
+    batch_split = ("data", None, None, None)  # x and dy split by their batch dim
+    assert s["row_allreduce[data]"].input_specs == (batch_split, batch_split)
+    dp = s["row_allreduce[data]+channel[model]"]  # batch over data, output channels over model
+    assert dp.input_specs == (batch_split, ("data", None, None, "model"))
+    assert dp.output_specs == ((None, None, None, "model"),)
+    wgrad_bytes = 3 * 3 * 32 * 64 * 4
+    assert dp.communication_cost == pytest.approx(all_reduce_cost(wgrad_bytes / 4, 2, **link("data")))
+    every = s["row_allreduce[data.model]"]  # 8-way data parallel
+    assert every.input_specs == ((("data", "model"), None, None, None),) * 2
+    slow = {"bandwidth": BW["data"], "latency": LAT["data"]}
+    assert every.communication_cost == pytest.approx(all_reduce_cost(wgrad_bytes, 8, **slow))
+    # the forward convolution: Megatron's row split over input channels
+    row = by_name(eqn_strategies(forward, mesh(2, 4)))["row_allreduce[model]"]
+    assert row.input_specs == ((None, None, None, "model"), (None, None, "model", None))
 
 
 def test_elementwise_follows_operand_and_keeps_broadcast_dims_replicated():
@@ -259,7 +315,7 @@ def test_build_graph_of_mlp_is_consistent():
         eqns = closed.jaxpr.eqns
         assert len(nodes) == len(closed.jaxpr.invars) + len(eqns)
         assert [n.name for n in nodes[4:]] == [f"eqn{j}:{e.primitive.name}" for j, e in enumerate(eqns)]
-        assert all(1 <= len(n.strategies) <= 8 for n in nodes[4:])
+        assert all(1 <= len(n.strategies) <= 16 for n in nodes[4:])
         for e in edges:
             assert e.src < e.dst and e.cost.shape == (
                 len(nodes[e.src].strategies),
@@ -346,11 +402,17 @@ def test_input_nodes_offer_every_even_split():
     closed = jax.make_jaxpr(jnp.tanh)(jnp.ones((64, 6)))
     nodes, edges, _ = build_graph(closed, mesh(2, 4))
     inputs = by_name(nodes[0].strategies)
-    assert set(inputs) == {"replicated", "split[d0@data]", "split[d1@data]", "split[d0@model]"}
+    assert set(inputs) == {
+        "replicated",
+        "split[d0@data]",
+        "split[d1@data]",
+        "split[d0@model]",
+        "split[d0@data.model]",
+    }
     assert inputs["split[d0@model]"].memory_bytes == 64 * 6 * 4 / 4
     assert all(s.compute_cost == s.communication_cost == 0 for s in inputs.values())
     (edge,) = edges
-    assert edge.cost.shape == (4, len(nodes[1].strategies))
+    assert edge.cost.shape == (5, len(nodes[1].strategies))
 
 
 def transformer_loss(params, ids, labels):

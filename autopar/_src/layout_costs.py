@@ -4,7 +4,9 @@ The building blocks of :mod:`autopar._src.strategies`: a :class:`MeshSpec` with 
 alpha-beta link model per axis, the candidate specs of an array, and
 :func:`priced_strategy`, which turns one layout of one equation into a
 :class:`~autopar._src.sharding_ilp.Strategy` with compute, communication and memory costs.
-A spec is a tuple with, per tensor dim, the mesh axis the dim is split over, or ``None``.
+A spec is a tuple with, per tensor dim, the mesh axis the dim is split over, or ``None``; on a
+mesh of several axes, dim 0 may also be split over all of them at once (a tuple of axes), which
+is a batch split over every device of the mesh.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from autopar._src import cost
-from autopar._src.sharding_ilp import Spec, Strategy, all_reduce_cost, reduce_scatter_cost
+from autopar._src.sharding_ilp import Axes, Spec, Strategy, all_reduce_cost, entry_axes, reduce_scatter_cost
 
 Collective = Literal["allreduce", "reducescatter"]
 """A collective that finishes partial sums over one mesh axis."""
@@ -76,23 +78,24 @@ class MeshSpec:
         """Devices in the mesh."""
         return math.prod(self.axis_sizes)
 
-    def size(self, axis: str) -> int:
-        """Devices along ``axis``.
+    def size(self, axis: Axes) -> int:
+        """Devices along ``axis``, or along several axes together (a tuple: their product).
 
         Raises:
-          ValueError: if ``axis`` is not one of ``axis_names``.
+          ValueError: if an axis is not one of ``axis_names``.
         """
-        return self.axis_sizes[self._index(axis)]
+        return math.prod(self.axis_sizes[self._index(a)] for a in entry_axes(axis))
 
     def _index(self, axis: str) -> int:
         if axis not in self.axis_names:
             raise ValueError(f"mesh axis {axis!r} is not one of axis_names={self.axis_names!r}")
         return self.axis_names.index(axis)
 
-    def link(self, axis: str) -> tuple[float, float]:
-        """``(bandwidth, latency)`` of ``axis``."""
-        i = self._index(axis)
-        return self.bandwidth[i], self.latency[i]
+    def link(self, axis: Axes) -> tuple[float, float]:
+        """``(bandwidth, latency)`` of ``axis``; of several axes together, a ring over all their
+        devices, as slow as their slowest link."""
+        index = [self._index(a) for a in entry_axes(axis)]
+        return min(self.bandwidth[i] for i in index), max(self.latency[i] for i in index)
 
 
 def shape_of(v: Any) -> tuple[int, ...]:
@@ -102,7 +105,12 @@ def shape_of(v: Any) -> tuple[int, ...]:
 
 def num_shards(spec: Spec, mesh: MeshSpec) -> int:
     """Pieces an array laid out as ``spec`` is cut into."""
-    return math.prod(mesh.size(a) for a in set(spec) if a is not None)
+    return math.prod(mesh.size(a) for a in spec_axes(spec))
+
+
+def spec_axes(*specs: Spec) -> set[str]:
+    """The mesh axes ``specs`` split anything over."""
+    return {a for spec in specs for entry in spec for a in entry_axes(entry)}
 
 
 def share_bytes(v: Any, spec: Spec, mesh: MeshSpec) -> float:
@@ -115,21 +123,29 @@ def split_axes(mesh: MeshSpec) -> tuple[str, ...]:
     return tuple(a for a, s in zip(mesh.axis_names, mesh.axis_sizes, strict=True) if s > 1)
 
 
-def divides(shape: Sequence[int], dim: int, axis: str, mesh: MeshSpec) -> bool:
-    """Whether dim ``dim`` of ``shape`` splits evenly over ``axis``."""
+def divides(shape: Sequence[int], dim: int, axis: Axes, mesh: MeshSpec) -> bool:
+    """Whether dim ``dim`` of ``shape`` splits evenly over ``axis`` (or over several axes)."""
     return shape[dim] > 0 and shape[dim] % mesh.size(axis) == 0
 
 
+def all_axes(mesh: MeshSpec) -> tuple[str, ...] | None:
+    """All the axes with more than one device as one split, where there are several: a dim split
+    over it is cut into one piece per device."""
+    axes = split_axes(mesh)
+    return axes if len(axes) >= 2 else None
+
+
 def spec_name(spec: Spec) -> str:
-    """``"replicated"`` or e.g. ``"split[d0@data,d1@model]"``."""
-    parts = [f"d{d}@{a}" for d, a in enumerate(spec) if a is not None]
+    """``"replicated"`` or e.g. ``"split[d0@data,d1@model]"`` (``d0@data.model``: over both)."""
+    parts = [f"d{d}@{'.'.join(entry_axes(a))}" for d, a in enumerate(spec) if a is not None]
     return f"split[{','.join(parts)}]" if parts else "replicated"
 
 
 def candidate_specs(shape: Sequence[int], mesh: MeshSpec) -> list[Spec]:
     """Replicated, each axis on each dim it divides, and on a 2-D mesh the first axis on dim 0
-    with the last axis on any other dim (batch by data, heads or features by model)."""
-    rank, axes = len(shape), split_axes(mesh)
+    with the last axis on any other dim (batch by data, heads or features by model) and dim 0
+    over all axes (batch by every device)."""
+    rank, axes, every = len(shape), split_axes(mesh), all_axes(mesh)
     specs: list[Spec] = [(None,) * rank]
     for axis in axes:
         for d in range(rank):
@@ -139,6 +155,8 @@ def candidate_specs(shape: Sequence[int], mesh: MeshSpec) -> list[Spec]:
         for d in range(1, rank):
             if divides(shape, d, axes[-1], mesh):
                 specs.append(tuple(axes[0] if i == 0 else axes[-1] if i == d else None for i in range(rank)))
+    if every is not None and rank >= 1 and divides(shape, 0, every, mesh):
+        specs.append((every, *(None,) * (rank - 1)))
     return specs
 
 
@@ -187,7 +205,7 @@ def priced_strategy(
     """
     outs = sum(share_bytes(v, s, mesh) for v, s in zip(eqn.outvars, out_specs, strict=True))
     if flops:
-        shards = math.prod(mesh.size(a) for a in {a for s in (*in_specs, *out_specs) for a in s if a})
+        shards = math.prod(mesh.size(a) for a in spec_axes(*in_specs, *out_specs))
         compute = flops / shards / mesh.peak_flops
     else:
         compute = outs / mesh.memory_bandwidth
@@ -211,8 +229,9 @@ def replicated_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     return (dataclasses.replace(base, compute_cost=base.compute_cost + seconds),)
 
 
-def collective_cost(kind: Collective, nbytes: float, axis: str, mesh: MeshSpec) -> float:
-    """Seconds of a ring all-reduce or reduce-scatter of ``nbytes`` per device over ``axis``."""
+def collective_cost(kind: Collective, nbytes: float, axis: Axes, mesh: MeshSpec) -> float:
+    """Seconds of a ring all-reduce or reduce-scatter of ``nbytes`` per device over ``axis``
+    (or over several axes together)."""
     bandwidth, latency = mesh.link(axis)
     emulated = kind == "reducescatter" and mesh.emulated_reduce_scatter
     fn = all_reduce_cost if kind == "allreduce" or emulated else reduce_scatter_cost

@@ -24,11 +24,21 @@ from typing import Literal
 
 import numpy as np
 import scipy.sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
 SolveStatus = Literal["optimal", "time_limit", "fallback"]
-Spec = tuple[str | None, ...]
-"""A PartitionSpec as a tuple: per tensor dim, the mesh axis it is split over, or None."""
+Axes = str | tuple[str, ...] | None
+"""What one dim of a :data:`Spec` is split over: a mesh axis, several (major first, as in a
+``PartitionSpec``), or nothing."""
+Spec = tuple[Axes, ...]
+"""A PartitionSpec as a tuple: per tensor dim, the mesh axis or axes it is split over, or None."""
+
+
+def entry_axes(entry: Axes) -> tuple[str, ...]:
+    """The mesh axes of one spec entry, major first: ``()``, ``("data",)``, ``("data", "model")``."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,20 +254,53 @@ def _solve_milp(
     objective = np.concatenate(costs)
     # HiGHS stops at an absolute gap of 1e-6; costs in seconds are often far smaller, so scale them up.
     scale = np.abs(objective).max(initial=0.0)
-    result = milp(
-        objective / scale if scale > 0 else objective,
-        integrality=np.ones(num_cols),
-        bounds=Bounds(np.zeros(num_cols), upper),
-        constraints=constraints,
-        options={"time_limit": time_limit, "mip_rel_gap": 1e-9},
-    )
-    if result.x is None:
-        return None, "fallback"
-    choices = tuple(int(np.argmax(result.x[offsets[v] : offsets[v + 1]])) for v in range(len(nodes)))
+    objective = objective / scale if scale > 0 else objective
+    x = _integral_relaxation(objective, constraints, upper, time_limit)
+    if x is None:
+        result = milp(
+            objective,
+            integrality=np.ones(num_cols),
+            bounds=Bounds(np.zeros(num_cols), upper),
+            constraints=constraints,
+            options={"time_limit": time_limit, "mip_rel_gap": 1e-9},
+        )
+        if result.x is None:
+            return None, "fallback"
+        x, status = result.x, "optimal" if result.status == 0 else "time_limit"
+    else:
+        status = "optimal"
+    choices = tuple(int(np.argmax(x[offsets[v] : offsets[v + 1]])) for v in range(len(nodes)))
     # Rounding within the solver's tolerances can break a constraint; never return such a choice.
     if not (math.isfinite(total_cost(nodes, edges, choices)) and _fits(nodes, memory_budget, choices)):
         return None, "fallback"
-    return choices, "optimal" if result.status == 0 else "time_limit"
+    return choices, status
+
+
+def _integral_relaxation(
+    objective: np.ndarray, constraints: Sequence[LinearConstraint], upper: np.ndarray, time_limit: float
+) -> np.ndarray | None:
+    """The LP relaxation's optimum if it is integral (then it is the MILP's optimum too), else None.
+
+    Sharding problems are mostly trees and chains, whose relaxations have integral optima; the
+    simplex method finds one in a fraction of a second, where HiGHS's MILP root (probing the
+    one-strategy-per-node cliques) can take minutes on a layer of a few hundred equations
+    without looking at its time limit.
+    """
+    eq, *ub = constraints
+    result = linprog(
+        objective,
+        A_eq=eq.A,
+        b_eq=eq.ub,
+        A_ub=ub[0].A if ub else None,
+        b_ub=ub[0].ub if ub else None,
+        bounds=np.stack([np.zeros_like(upper), upper], axis=1),
+        method="highs-ds",
+        options={"time_limit": time_limit},
+    )
+    if result.status != 0 or result.x is None:
+        return None
+    x = result.x
+    return x if np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= 1e-9) else None
 
 
 def _raise_unless_feasible(
@@ -538,21 +581,27 @@ def all_to_all_cost(num_bytes: float, num_devices: int, *, bandwidth: float, lat
     return _ring(num_bytes, num_devices, bandwidth, latency, 1)
 
 
-def _axis_dims(
-    spec: Sequence[str | None], shape: tuple[int, ...], mesh_axes: Mapping[str, int], what: str
-) -> dict[str, int]:
+def _placements(
+    spec: Sequence[Axes], shape: tuple[int, ...], mesh_axes: Mapping[str, int], what: str
+) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """Mesh axis -> (the dim it splits, the axes before it on that dim)."""
     if len(spec) > len(shape):
         raise ValueError(f"{what}={tuple(spec)} has more entries than the array has dims (shape {shape})")
-    named = [(axis, dim) for dim, axis in enumerate(spec) if axis is not None]
-    unknown = [axis for axis, _ in named if axis not in mesh_axes]
-    if unknown or len({axis for axis, _ in named}) < len(named):
+    named = {
+        axis: (dim, axes[:k])
+        for dim, entry in enumerate(spec)
+        for axes in [entry_axes(entry)]
+        for k, axis in enumerate(axes)
+    }
+    count = sum(len(entry_axes(entry)) for entry in spec)
+    if any(axis not in mesh_axes for axis in named) or len(named) < count:
         raise ValueError(f"{what}={tuple(spec)} must name distinct axes of the mesh {dict(mesh_axes)}")
-    return dict(named)
+    return named
 
 
 def resharding_cost(
-    src_spec: Sequence[str | None],
-    dst_spec: Sequence[str | None],
+    src_spec: Sequence[Axes],
+    dst_spec: Sequence[Axes],
     shape: tuple[int, ...],
     itemsize: int,
     mesh_axes: Mapping[str, int],
@@ -561,12 +610,13 @@ def resharding_cost(
 ) -> float:
     """Seconds to turn an array sharded as ``src_spec`` into one sharded as ``dst_spec``.
 
-    Specs name at most one mesh axis per dim (missing trailing dims are replicated). In the
-    order of the dims they hold in ``src_spec``: an axis that ``dst_spec`` lacks is
-    all-gathered; then an axis that moves to another dim is moved with an all-to-all, or,
-    if that dim is still split over another axis, all-gathered (and sliced again below).
-    An axis that only ``dst_spec`` has is a local slice, free. The collectives are priced
-    with the per-axis ``bandwidth`` (bytes/s) and ``latency`` (s) by the ring formulas of
+    A dim may be split over several axes, major first (missing trailing dims are replicated).
+    An axis stays where ``dst_spec`` has it on the same dim after the same axes. The others,
+    by dim and minor axis first: an axis that ``dst_spec`` lacks is all-gathered; then an axis
+    that moves is moved with an all-to-all if its new dim holds just the axes ``dst_spec``
+    puts before it, else all-gathered (and sliced again below). An axis that only
+    ``dst_spec`` has is a local slice, free. The collectives are priced with the per-axis
+    ``bandwidth`` (bytes/s) and ``latency`` (s) by the ring formulas of
     :func:`all_gather_cost` and :func:`all_to_all_cost`, on the per-device buffer at that point
     (for an all-gather, the gathered one).
 
@@ -574,23 +624,25 @@ def resharding_cost(
       >>> resharding_cost(("x", None), (None, None), (4, 4), 4, {"x": 2}, {"x": 1e9}, {"x": 0.0})
       3.2e-08
     """
-    src = _axis_dims(src_spec, shape, mesh_axes, "src_spec")
-    dst = _axis_dims(dst_spec, shape, mesh_axes, "dst_spec")
+    src = _placements(src_spec, shape, mesh_axes, "src_spec")
+    dst = _placements(dst_spec, shape, mesh_axes, "dst_spec")
     missing = sorted(set(src) - (set(bandwidth) & set(latency)))
     if missing:
         raise ValueError(
             f"bandwidth and latency need an entry for every mesh axis of src_spec; missing {missing}"
         )
     per_device = math.prod(shape) * itemsize / math.prod(mesh_axes[axis] for axis in src)
-    layout = dict(src)
+    layout: dict[int, list[str]] = {}
+    for axis, (dim, _) in sorted(src.items(), key=lambda item: len(item[1][1])):
+        layout.setdefault(dim, []).append(axis)
     seconds = 0.0
-    order = sorted(src, key=src.__getitem__)
-    for axis in [a for a in order if a not in dst] + [a for a in order if a in dst and dst[a] != src[a]]:
+    order = sorted((a for a in src if dst.get(a) != src[a]), key=lambda a: (src[a][0], -len(src[a][1])))
+    for axis in [a for a in order if a not in dst] + [a for a in order if a in dst]:
         n, link = mesh_axes[axis], {"bandwidth": bandwidth[axis], "latency": latency[axis]}
-        del layout[axis]
-        if axis in dst and dst[axis] not in layout.values():
+        layout[src[axis][0]].remove(axis)
+        if axis in dst and layout.get(dst[axis][0], []) == list(dst[axis][1]):
             seconds += all_to_all_cost(per_device, n, **link)
-            layout[axis] = dst[axis]
+            layout.setdefault(dst[axis][0], []).append(axis)
         else:
             per_device *= n
             seconds += all_gather_cost(per_device, n, **link)

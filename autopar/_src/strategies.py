@@ -4,7 +4,8 @@ Alpa's intra-operator strategy generation over public ``jax.extend.core`` jaxprs
 equation gets a few candidate layouts (batch split, Megatron column/row split, replicate,
 ...) priced with an alpha-beta model per mesh axis; :mod:`autopar._src.strategy_graph`
 joins them into the ILP's graph. A spec is a tuple with, per tensor dim, the mesh axis the
-dim is split over, or ``None``.
+dim is split over (or, for a batch split over every device of a 2-D mesh, all its axes), or
+``None``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from autopar._src import compat, cost
 from autopar._src.layout_costs import (
     Collective,
     MeshSpec,
+    all_axes,
     broadcast_spec,
     candidate_specs,
     collective_cost,
@@ -24,10 +26,11 @@ from autopar._src.layout_costs import (
     replicated_strategies,
     shape_of,
     share_bytes,
+    spec_axes,
     spec_name,
     split_axes,
 )
-from autopar._src.sharding_ilp import Spec, Strategy
+from autopar._src.sharding_ilp import Axes, Spec, Strategy, entry_axes
 
 ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
     "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp conj "
@@ -64,7 +67,7 @@ def _from_pieces(
     eqn: Any,
     mesh: MeshSpec,
     pieces: dict[str, _Piece],
-    plans: Sequence[tuple[tuple[str, str], ...]],
+    plans: Sequence[tuple[tuple[str, Axes], ...]],
     *,
     flops: float = 0.0,
     weight: int | None = None,
@@ -74,10 +77,12 @@ def _from_pieces(
     out_shape = shape_of(eqn.outvars[0])
     result = []
     for plan in plans:
-        if any(p not in pieces for p, _ in plan) or len({a for _, a in plan}) < len(plan):
+        if any(p not in pieces for p, _ in plan) or len(spec_axes([a for _, a in plan])) < sum(
+            len(entry_axes(a)) for _, a in plan
+        ):
             continue
-        ins = [[None] * len(s) for s in shapes]
-        out: list[str | None] = [None] * len(out_shape)
+        ins: list[list[Axes]] = [[None] * len(s) for s in shapes]
+        out: list[Axes] = [None] * len(out_shape)
         ok, collectives = True, []
         for piece_name, axis in plan:
             piece = pieces[piece_name]
@@ -95,7 +100,7 @@ def _from_pieces(
         for kind, axis, out_dim in collectives:
             partial = tuple(None if d == out_dim else a for d, a in enumerate(out))
             comm += collective_cost(kind, share_bytes(eqn.outvars[0], partial, mesh), axis, mesh)
-        name = "+".join(f"{p}[{a}]" for p, a in plan) or "replicated"
+        name = "+".join(f"{p}[{'.'.join(entry_axes(a))}]" for p, a in plan) or "replicated"
         specs = [tuple(s) for s in ins]
         result.append(
             priced_strategy(name, eqn, mesh, specs, [tuple(out)], flops=flops, comm=comm, weight=weight)
@@ -103,18 +108,35 @@ def _from_pieces(
     return tuple(result)
 
 
+ROW = ("row_allreduce", "row_reducescatter")
+"""The pieces that split a contracted dim and finish its partial sums."""
+
+
 def _standard_plans(
-    mesh: MeshSpec, batch: str, model_pieces: Sequence[str]
-) -> list[tuple[tuple[str, str], ...]]:
-    """Replicated; ``batch`` over each axis; each model piece over the last axis; 2-D combinations."""
-    axes = split_axes(mesh)
-    plans: list[tuple[tuple[str, str], ...]] = [()]
+    mesh: MeshSpec, batch: str, model_pieces: Sequence[str], reductions: Sequence[str] = ()
+) -> list[tuple[tuple[str, Axes], ...]]:
+    """The splits a strategy may combine, over a mesh's axes.
+
+    Replicated; ``batch`` over each axis; each model piece over the last axis, and each of the
+    ``reductions`` (pieces that finish partial sums: a contracted batch, in a weight gradient)
+    over each axis. On a 2-D mesh also ``batch`` over the first axis with each model piece over
+    the last, each reduction over the first axis with each other model piece over the last (the
+    gradient of a tensor-parallel layer under data parallelism), and ``batch`` and each model
+    piece over all axes at once.
+    """
+    axes, every = split_axes(mesh), all_axes(mesh)
+    plans: list[tuple[tuple[str, Axes], ...]] = [()]
     plans += [((batch, a),) for a in axes]
     if axes:
         plans += [((p, axes[-1]),) for p in model_pieces]
-    if len(axes) >= 2:
+        plans += [((r, a),) for r in reductions for a in axes[:-1]]
+    if every is not None:
         plans += [((batch, axes[0]), (p, axes[-1])) for p in model_pieces if p != "row_reducescatter"]
-    return plans
+        plans += [
+            ((r, axes[0]), (p, axes[-1])) for r in reductions for p in model_pieces if p not in reductions
+        ]
+        plans += [((p, every),) for p in (batch, *model_pieces)]
+    return list(dict.fromkeys(plans))
 
 
 def _dot_general(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
@@ -137,7 +159,7 @@ def _dot_general(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         rs_dim = pieces["batch"].out_dim if "batch" in pieces else out_rank - 1
         if out_rank:
             pieces["row_reducescatter"] = _Piece(((0, lc[0]), (1, rc[0])), rs_dim, "reducescatter")
-    plans = _standard_plans(mesh, "batch", ("heads", "column", "row_allreduce", "row_reducescatter"))
+    plans = _standard_plans(mesh, "batch", ("heads", "column", *ROW), ROW)
     return _from_pieces(eqn, mesh, pieces, plans, flops=cost.eqn_flops(eqn), weight=1)
 
 
@@ -148,7 +170,13 @@ def _conv(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         pieces["batch"] = _Piece(((0, dn.lhs_spec[0]),), dn.out_spec[0])
         if p.get("feature_group_count", 1) == 1:
             pieces["channel"] = _Piece(((1, dn.rhs_spec[0]),), dn.out_spec[1])
-    plans = _standard_plans(mesh, "batch", ("channel",))
+            # Input features split (Megatron's row-parallel convolution; in a weight gradient,
+            # whose input features are the batch, data parallelism): partial sums, then an
+            # all-reduce or a reduce-scatter onto the output features.
+            contracted = ((0, dn.lhs_spec[1]), (1, dn.rhs_spec[1]))
+            pieces["row_allreduce"] = _Piece(contracted, None, "allreduce")
+            pieces["row_reducescatter"] = _Piece(contracted, dn.out_spec[1], "reducescatter")
+    plans = _standard_plans(mesh, "batch", ("channel", *ROW), ROW)
     return _from_pieces(eqn, mesh, pieces, plans, flops=cost.eqn_flops(eqn), weight=1)
 
 
@@ -212,7 +240,8 @@ def _scatter_add(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         "batch_reducescatter": _Piece(batch, 0, "reducescatter"),
         "embed": _Piece(((0, len(table_shape) - 1), (2, dn.update_window_dims[-1])), len(table_shape) - 1),
     }
-    plans = _standard_plans(mesh, "batch_allreduce", ("rows", "batch_reducescatter", "embed"))
+    reductions = ("batch_allreduce", "batch_reducescatter")
+    plans = _standard_plans(mesh, "batch_allreduce", ("rows", "batch_reducescatter", "embed"), reductions)
     return _from_pieces(eqn, mesh, pieces, plans)
 
 
@@ -282,7 +311,7 @@ def _dim_map_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     in_shape, out_shape = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
     pairs: dict[Spec, Spec] = {}
     for spec in candidate_specs(in_shape, mesh):
-        out: list[str | None] = [None] * len(out_shape)
+        out: list[Axes] = [None] * len(out_shape)
         kept = list(spec)
         for d, a in enumerate(spec):
             if a is not None and d in forward and divides(out_shape, forward[d], a, mesh):
@@ -291,7 +320,7 @@ def _dim_map_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
                 kept[d] = None  # the split cannot be mapped: this strategy wants that dim whole
         pairs.setdefault(tuple(out), tuple(kept))
     for spec in candidate_specs(out_shape, mesh):
-        ins: list[str | None] = [None] * len(in_shape)
+        ins: list[Axes] = [None] * len(in_shape)
         out = list(spec)
         for j, a in enumerate(spec):
             if a is not None and j in backward and divides(in_shape, backward[j], a, mesh):
@@ -371,7 +400,7 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     """Candidate strategies of one jaxpr equation on ``mesh``, in a fixed order, replicated first.
 
     Covers ``dot_general`` (batch, Megatron column and row splits, 2-D combinations),
-    ``conv_general_dilated`` (batch and output-channel splits), elementwise primitives,
+    ``conv_general_dilated`` (batch, output-channel and input-channel splits), elementwise primitives,
     reductions, dim-moving primitives (reshape, transpose, broadcast, squeeze, slices, ...),
     embedding-style ``gather`` / ``dynamic_slice`` / ``scatter-add``; any other equation
     gets the replicated strategy only. ``input_specs`` has one spec per invar (literals too).
