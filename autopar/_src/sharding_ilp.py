@@ -8,8 +8,9 @@ minimise
 
     sum_v (compute + communication)[choice_v] + sum_(u, v) cost_uv[choice_u, choice_v]
 
-subject to an optional per-device memory budget, as a MILP for HiGHS through
-:func:`scipy.optimize.milp`. :func:`merge_forced` shrinks a problem before solving it;
+subject to an optional per-device memory budget, as a MILP for HiGHS: its LP relaxation
+first (:func:`scipy.optimize.linprog`), which is integral for most sharding problems, then,
+if it is not, :func:`scipy.optimize.milp`. :func:`merge_forced` shrinks a problem before solving it;
 :func:`resharding_cost` and the collective costs price the edges on a mesh.
 """
 
@@ -255,14 +256,16 @@ def _solve_milp(
     # HiGHS stops at an absolute gap of 1e-6; costs in seconds are often far smaller, so scale them up.
     scale = np.abs(objective).max(initial=0.0)
     objective = objective / scale if scale > 0 else objective
+    start = time.perf_counter()
     x = _integral_relaxation(objective, constraints, upper, time_limit)
     if x is None:
+        left = max(time_limit - (time.perf_counter() - start), 0.1 * time_limit)
         result = milp(
             objective,
             integrality=np.ones(num_cols),
             bounds=Bounds(np.zeros(num_cols), upper),
             constraints=constraints,
-            options={"time_limit": time_limit, "mip_rel_gap": 1e-9},
+            options={"time_limit": left, "mip_rel_gap": 1e-9},
         )
         if result.x is None:
             return None, "fallback"
