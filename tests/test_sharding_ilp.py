@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from autopar._src import collectives
 from autopar._src import sharding_ilp as si
 from autopar._src.sharding_ilp import Edge, Node, Strategy
 
@@ -304,7 +305,7 @@ LATENCY = {"x": 1e-6, "y": 2e-6}
 
 
 def _reshard(src, dst, shape=(8, 16)):
-    return si.resharding_cost(src, dst, shape, 4, MESH, BANDWIDTH, LATENCY)
+    return collectives.resharding_cost(src, dst, shape, 4, MESH, BANDWIDTH, LATENCY)
 
 
 def test_resharding_cost_hand_computed():
@@ -349,15 +350,15 @@ def test_resharding_cost_rejects_bad_specs():
     with pytest.raises(ValueError, match="more entries"):
         _reshard(("x", None, None), (None, None))
     with pytest.raises(ValueError, match="missing"):
-        si.resharding_cost(("x",), (None,), (4,), 4, MESH, {}, {})
+        collectives.resharding_cost(("x",), (None,), (4,), 4, MESH, {}, {})
 
 
 def test_collective_costs():
     link = {"bandwidth": 1e9, "latency": 1e-6}
-    assert si.all_reduce_cost(1e6, 4, **link) == pytest.approx(2 * 0.75 * 1e-3 + 6e-6)
-    assert si.all_gather_cost(1e6, 4, **link) == pytest.approx(0.75 * 1e-3 + 3e-6)
-    assert si.reduce_scatter_cost(1e6, 4, **link) == pytest.approx(0.75 * 1e-3 + 3e-6)
-    assert si.all_to_all_cost(1e6, 8, **link) == pytest.approx(0.875 * 1e-3 + 7e-6)
-    assert si.all_reduce_cost(1e6, 1, **link) == 0.0
+    assert collectives.all_reduce_cost(1e6, 4, **link) == pytest.approx(2 * 0.75 * 1e-3 + 6e-6)
+    assert collectives.all_gather_cost(1e6, 4, **link) == pytest.approx(0.75 * 1e-3 + 3e-6)
+    assert collectives.reduce_scatter_cost(1e6, 4, **link) == pytest.approx(0.75 * 1e-3 + 3e-6)
+    assert collectives.all_to_all_cost(1e6, 8, **link) == pytest.approx(0.875 * 1e-3 + 7e-6)
+    assert collectives.all_reduce_cost(1e6, 1, **link) == 0.0
     with pytest.raises(ValueError, match="bandwidth=0"):
-        si.all_gather_cost(1.0, 2, bandwidth=0.0, latency=0.0)
+        collectives.all_gather_cost(1.0, 2, bandwidth=0.0, latency=0.0)

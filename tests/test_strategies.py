@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 from autopar._src import sharding_ilp
-from autopar._src.sharding_ilp import all_reduce_cost, reduce_scatter_cost
+from autopar._src.collectives import all_reduce_cost, reduce_scatter_cost
 from autopar._src.strategies import MeshSpec, eqn_strategies
 from autopar._src.strategy_graph import build_graph, specs_of
 

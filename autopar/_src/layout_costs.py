@@ -19,7 +19,8 @@ from typing import Any, Literal
 import numpy as np
 
 from autopar._src import cost
-from autopar._src.sharding_ilp import Axes, Spec, Strategy, all_reduce_cost, entry_axes, reduce_scatter_cost
+from autopar._src.collectives import Axes, Spec, all_reduce_cost, entry_axes, reduce_scatter_cost
+from autopar._src.sharding_ilp import Strategy
 
 Collective = Literal["allreduce", "reducescatter"]
 """A collective that finishes partial sums over one mesh axis."""

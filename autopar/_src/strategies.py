@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from autopar._src import compat, cost
+from autopar._src.collectives import Axes, Spec, entry_axes
 from autopar._src.layout_costs import (
     Collective,
     MeshSpec,
@@ -30,7 +31,7 @@ from autopar._src.layout_costs import (
     spec_name,
     split_axes,
 )
-from autopar._src.sharding_ilp import Axes, Spec, Strategy, entry_axes
+from autopar._src.sharding_ilp import Strategy
 
 ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
     "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp conj "

@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from autopar._src import compat, cost
+from autopar._src.collectives import Spec, resharding_cost
 from autopar._src.layout_costs import MeshSpec, all_specs, shape_of, share_bytes, spec_name
-from autopar._src.sharding_ilp import Edge, Node, Spec, Strategy, resharding_cost
+from autopar._src.sharding_ilp import Edge, Node, Strategy
 from autopar._src.strategies import eqn_strategies
 
 
