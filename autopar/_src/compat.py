@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.extend.core as jcore
 from jax.extend import source_info_util
+from jax.extend.core import primitives as jprims
 from jax.interpreters import ad, mlir
 
 Var = jcore.Var
@@ -94,6 +95,34 @@ def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
         else:
             out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def remat_body(eqn: Any) -> Any | None:
+    """The body of a rematerialised call (``jax.checkpoint``, ``nn.remat``), or None for any
+    other equation. The body is an open jaxpr over the call's operands."""
+    if eqn.primitive is not jprims.remat_p:
+        return None
+    body, consts = jaxpr_and_consts(eqn.params["jaxpr"])
+    return None if consts or body.constvars else body
+
+
+def inlinable_body(eqn: Any) -> Any | None:
+    """The body of a nested ``jit`` call or a rematerialised call, as an open jaxpr over the
+    call's operands; None for any other equation (and for bodies with constants)."""
+    if is_call(eqn):
+        body, consts = call_body(eqn)
+        return None if consts or body.constvars else body
+    return remat_body(eqn)
+
+
+def bind_remat(eqn: Any, fn: Callable[..., Sequence[Any]], invals: Sequence[Any]) -> list[Any]:
+    """Binds the rematerialised call ``eqn`` on ``invals`` with its body replaced by the trace of
+    ``fn`` (same operands and results), keeping the call's policy and its barrier against CSE."""
+    closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*(v.aval for v in remat_body(eqn).invars))
+    body, consts = jaxpr_and_consts(closed)
+    if consts:
+        raise RuntimeError(f"a rematerialised body traced to {len(consts)} constants; expected none")
+    return list(eqn.primitive.bind(*invals, **dict(eqn.params, jaxpr=body)))
 
 
 def source_line(eqn: Any) -> str:

@@ -27,6 +27,7 @@ from autopar._src import compat, cost, transfers
 from autopar._src.intra_op import StageSharding
 from autopar._src.partition import Key, Op, Program, Run, Task
 from autopar._src.plan import Plan
+from autopar._src.strategy_graph import Inner
 from autopar._src.trace import TracedStep
 
 DATA_AXIS = "data"
@@ -62,7 +63,37 @@ def _acc(op: Op, vals: list[Any]) -> Any:
     return vals[0]
 
 
-def _task_fn(task: Task, pins: dict[Key, NamedSharding]) -> Callable[..., tuple[Any, ...]]:
+def bind_pinned(
+    eqn: Any, vals: list[Any], inner: dict[Inner, NamedSharding], path: tuple[int, ...] = ()
+) -> list[Any]:
+    """Applies ``eqn`` to ``vals``. A nested call runs its body with the values the ILP laid out
+    inside it pinned (``inner``, see :func:`~autopar._src.strategy_graph.expand_calls`): a
+    ``jit`` body inline, a rematerialised body re-traced into the same rematerialised call."""
+    body = compat.inlinable_body(eqn) if inner else None
+    if body is None:
+        return compat.bind_eqn(eqn, vals)
+    here = (*path, id(eqn))
+
+    def run(*xs: Any) -> list[Any]:
+        env = dict(zip(body.invars, xs, strict=True))
+
+        def read(a: Any) -> Any:
+            return compat.literal_value(a) if compat.is_literal(a) else env[a]
+
+        for e in body.eqns:
+            outs = bind_pinned(e, [read(a) for a in e.invars], inner, here)
+            for v, x in zip(e.outvars, outs, strict=True):
+                if not compat.is_dropvar(v):
+                    pin = inner.get(Inner(here, v))
+                    env[v] = x if pin is None else jax.lax.with_sharding_constraint(x, pin)
+        return [read(a) for a in body.outvars]
+
+    return compat.bind_remat(eqn, run, vals) if compat.remat_body(eqn) is not None else run(*vals)
+
+
+def _task_fn(
+    task: Task, pins: dict[Key, NamedSharding], inner: dict[Inner, NamedSharding]
+) -> Callable[..., tuple[Any, ...]]:
     ops, in_keys, out_keys = task.ops, task.in_keys, task.out_keys
 
     def fn(*args: Any) -> tuple[Any, ...]:
@@ -73,7 +104,7 @@ def _task_fn(task: Task, pins: dict[Key, NamedSharding]) -> Callable[..., tuple[
 
         for op in ops:
             vals = [read(a) for a in op.ins]
-            outs = compat.bind_eqn(op.eqn, vals) if op.kind == "eqn" else [_acc(op, vals)]
+            outs = bind_pinned(op.eqn, vals, inner) if op.kind == "eqn" else [_acc(op, vals)]
             for k, x in zip(op.outs, outs, strict=True):
                 if k is not None:
                     env[k] = jax.lax.with_sharding_constraint(x, pins[k]) if k in pins else x
@@ -141,7 +172,7 @@ class Executable:
             if sig not in cache:
                 mesh = self.meshes[t.stage]
                 cache[sig] = jax.jit(
-                    _task_fn(t, self._pins(t)),
+                    _task_fn(t, self._pins(t), self._inner_pins(t.stage)),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
                     out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
                     donate_argnums=donate,
@@ -173,6 +204,17 @@ class Executable:
             for op in task.ops
             for k in op.outs
             if k is not None and op.kind == "eqn" and k[0] in chosen.pinned
+        }
+
+    def _inner_pins(self, stage: int) -> dict[Inner, NamedSharding]:
+        chosen = self._stage_sharding(stage)
+        if chosen is None:
+            return {}
+        mesh = self.meshes[stage]
+        return {
+            k: NamedSharding(mesh, PartitionSpec(*chosen.specs[k]))
+            for k in chosen.pinned
+            if isinstance(k, Inner)
         }
 
     def spec(self, key: Key, stage: int) -> PartitionSpec:

@@ -24,7 +24,7 @@ from autopar._src.layout_costs import MeshSpec, share_bytes
 from autopar._src.partition import Program, Transfer
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.sharding_ilp import Node, solve_merged
-from autopar._src.strategy_graph import GraphOp, graph_of
+from autopar._src.strategy_graph import GraphOp, expand_calls, graph_of
 from autopar._src.trace import TracedStep
 
 STAGE_TIME_LIMIT = 120.0
@@ -134,7 +134,7 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
                 seen.add(id(op.eqn))
                 ins = tuple(resolve(k) for k in op.ins)
                 outs = tuple(None if k is None else resolve(k) for k in op.outs)
-                ops.append(GraphOp(op.eqn, ins, outs, count[id(op.eqn)]))
+                ops += expand_calls(GraphOp(op.eqn, ins, outs, count[id(op.eqn)]), alias)
     return ops, alias
 
 

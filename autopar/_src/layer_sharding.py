@@ -33,7 +33,7 @@ from autopar._src.collectives import Spec
 from autopar._src.intra_op import alias_root, inputs_memory_only, logical_mesh
 from autopar._src.layout_costs import MeshSpec, divides, shape_of
 from autopar._src.sharding_ilp import Edge, Node, solve_merged, total_memory
-from autopar._src.strategy_graph import GraphOp, graph_of
+from autopar._src.strategy_graph import GraphOp, expand_calls, graph_of
 from autopar._src.trace import TracedStep
 
 AXES = ("data", "model")
@@ -61,7 +61,9 @@ class LayerProblems:
                     if name(a) is not None and not compat.is_dropvar(v):
                         alias[v] = name(a)
                 continue
-            ops[layer].append(GraphOp(eqn, tuple(map(name, eqn.invars)), tuple(map(name, eqn.outvars))))
+            ops[layer] += expand_calls(
+                GraphOp(eqn, tuple(map(name, eqn.invars)), tuple(map(name, eqn.outvars))), alias
+            )
         self.ops = ops
         """Per layer, its forward and backward equations (boundary markers are identities)."""
         region_inputs = [*rj.constvars, *rj.invars]

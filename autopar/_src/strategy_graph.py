@@ -55,6 +55,54 @@ class GraphOp(NamedTuple):
     """How many times the equation runs per step (its costs are multiplied by this)."""
 
 
+class Inner(NamedTuple):
+    """A value made inside the body of a nested call (see :func:`expand_calls`)."""
+
+    path: tuple[int, ...]
+    """The ids of the call equations around it, outermost first."""
+    var: Any
+    """The body's variable."""
+
+    @property
+    def aval(self) -> Any:
+        return self.var.aval
+
+
+def expand_calls(op: GraphOp, alias: dict[Any, Any], path: tuple[int, ...] = ()) -> list[GraphOp]:
+    """``op``, or for a nested ``jit`` or rematerialised (``jax.checkpoint``) call the equations
+    of its body, recursively, so that the ILP lays out the values inside as it lays out any others.
+
+    The body reads the call's inputs; the values its equations make are named
+    :class:`Inner` ``(path + (id(op.eqn),), var)``; each result of the call becomes an alias (in
+    ``alias``) of the body value it returns. The driver pins the values inside (see
+    :func:`autopar._src.driver.bind_pinned`). A body that returns a literal, or an input that
+    is one, stays a single op.
+    """
+    body = compat.inlinable_body(op.eqn)
+    if body is None:
+        return [op]
+    env: dict[Any, Any] = dict(zip(body.invars, op.ins, strict=True))
+    if any(
+        out is not None and (compat.is_literal(v) or env.get(v, True) is None)
+        for out, v in zip(op.outs, body.outvars, strict=True)
+    ):
+        return [op]
+    here = (*path, id(op.eqn))
+
+    def name(v: Any) -> Any:
+        return None if compat.is_literal(v) else env[v]
+
+    ops: list[GraphOp] = []
+    for e in body.eqns:
+        outs = tuple(None if compat.is_dropvar(v) else Inner(here, v) for v in e.outvars)
+        ops += expand_calls(GraphOp(e, tuple(map(name, e.invars)), outs, op.weight), alias, here)
+        env.update((v, n) for v, n in zip(e.outvars, outs, strict=True) if n is not None)
+    for out, v in zip(op.outs, body.outvars, strict=True):
+        if out is not None and name(v) != out:
+            alias[out] = name(v)
+    return ops
+
+
 def graph_of(
     ops: Sequence[GraphOp],
     mesh: MeshSpec,
