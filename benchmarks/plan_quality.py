@@ -29,7 +29,7 @@ and 64 devices (BERT, which Alpa did not run, keeps its largest preset on 64).
     python benchmarks/plan_quality.py --sizes alpa        # Alpa's own 8..64-GPU model sizes
     python benchmarks/plan_quality.py --families gpt --devices 8 --presets h100
     python benchmarks/plan_quality.py --smoke --out-dir /tmp/results   # one tiny model, seconds
-    python benchmarks/plan_quality.py --costs ilp --jobs 2      # ILP-priced, ~75 min on 2 cores
+    python benchmarks/plan_quality.py --costs ilp --jobs 2 --journal /tmp/pq.jsonl  # ILP-priced, hours
 
 The last line printed is ``min_ratio_vs_best_grid=<float>`` (over the GPT and BERT cells run;
 over all cells when there are none).
@@ -242,6 +242,35 @@ def _plan_job(job: tuple[str, str, int], **kwargs: Any) -> dict[str, Any]:
     return plan_cell(model, preset, n, **kwargs)
 
 
+def _journal_key(job: tuple[str, str, int], options: dict[str, Any]) -> str:
+    return json.dumps([list(job), {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}])
+
+
+def _read_journal(path: str | None, options: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Journal key -> cell, of the cells a previous run with the same options planned."""
+    if path is None or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r["key"]: r["cell"] for r in records}
+
+
+def _journaled_job(
+    job: tuple[str, str, int], *, journal: str | None, done: dict[str, dict[str, Any]], **options: Any
+) -> dict[str, Any]:
+    key = _journal_key(job, options)
+    if key in done:
+        return done[key]
+    cell = _plan_job(job, **options)
+    if journal is not None:  # one write of one line: the processes of --jobs append whole records
+        fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps({"key": key, "cell": cell}) + "\n").encode())
+        finally:
+            os.close(fd)
+    return cell
+
+
 def cell_summary(cell: dict[str, Any]) -> dict[str, Any]:
     """Best grid, pure data parallel, best grid / autopar and infeasible grids of a cell.
 
@@ -360,6 +389,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--smoke", action="store_true", help="gpt-small, batch 64, 8 V100s (seconds)")
     parser.add_argument("--jobs", type=int, default=1, help="cells planned at once, one process each")
+    parser.add_argument(
+        "--journal",
+        default=None,
+        help="JSON-lines file: each planned cell is appended to it, and cells already in it "
+        "(same model, preset, devices and options) are read back instead of planned again",
+    )
     parser.add_argument("--out-dir", default=_common.RESULTS, help="directory of the results files")
     args = parser.parse_args(argv)
     if args.quick:
@@ -383,13 +418,14 @@ def main(argv: list[str] | None = None) -> None:
             jobs += [(SIZES[args.sizes][f][n], preset, n) for f in args.families for n in args.devices]
     start = time.perf_counter()
     cells = []
-    plan = functools.partial(
-        _plan_job,
+    options = dict(
         batch_size=args.batch_size,
         max_microbatches=args.max_microbatches,
         costs=args.costs,
         ilp_microbatches=tuple(args.ilp_microbatches),
     )
+    done = _read_journal(args.journal, options)
+    plan = functools.partial(_journaled_job, journal=args.journal, done=done, **options)
     with (
         concurrent.futures.ProcessPoolExecutor(
             args.jobs,
@@ -432,11 +468,9 @@ def main(argv: list[str] | None = None) -> None:
             f"analytic memory model. Microbatch counts: {', '.join(map(str, args.ilp_microbatches))}. "
             "`pure DP` is the grid (N, 1, 1). `autopar tp=1` is autopar on (n, 1) logical meshes only.",
             "",
-            "GPT blocks are rematerialised, and the ILP does not split inside a remat body (it runs "
-            "replicated, as autopar's runtime runs it): on both sides a GPT block gains nothing from "
-            "more devices in its stage, Megatron's pinned kernels are gathered for it every microbatch, "
-            "and the plans are deep pipelines. The GPT rows measure the stage search's non-uniform "
-            "stages, not tensor parallelism. BERT, Wide-ResNet and MoE are not rematerialised.",
+            "GPT blocks are rematerialised: the backward recomputes each block inside a checkpoint "
+            "call, whose equations the ILP lays out like any others (and the runtime pins inside the "
+            "call). BERT, Wide-ResNet and MoE are not rematerialised.",
         ]
     else:
         method = [
