@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from autopar._src import collectives
+from autopar._src import collectives, ilp_merge
 from autopar._src import sharding_ilp as si
 from autopar._src.sharding_ilp import Edge, Node, Strategy
 
@@ -107,18 +107,18 @@ def test_merge_forced_keeps_the_optimum(seed):
         best = si.brute_force(nodes, edges, memory_budget=budget)
     except ValueError:
         with pytest.raises(ValueError):
-            reduced, reduced_edges, _ = si.merge_forced(nodes, edges)
+            reduced, reduced_edges, _ = ilp_merge.merge_forced(nodes, edges)
             si.solve(reduced, reduced_edges, memory_budget=budget)
         return
-    reduced, reduced_edges, mapping = si.merge_forced(nodes, edges)
+    reduced, reduced_edges, mapping = ilp_merge.merge_forced(nodes, edges)
     assert len(reduced) <= len(nodes) and len(reduced_edges) <= len(edges)
-    solution = si.expand(si.solve(reduced, reduced_edges, memory_budget=budget), mapping)
+    solution = ilp_merge.expand(si.solve(reduced, reduced_edges, memory_budget=budget), mapping)
     assert _feasible(nodes, edges, solution.choices, budget)
     assert math.isclose(si.total_cost(nodes, edges, solution.choices), best.objective, rel_tol=1e-9)
     # Every reduced choice vector costs and weighs what its expansion does.
     for choices in itertools.product(*(range(len(n.strategies)) for n in reduced)):
         fake = si.ShardingSolution(choices=choices, objective=0.0, status="optimal", solve_seconds=0.0)
-        original = si.expand(fake, mapping).choices
+        original = ilp_merge.expand(fake, mapping).choices
         assert math.isclose(
             si.total_cost(reduced, reduced_edges, choices),
             si.total_cost(nodes, edges, original),
@@ -157,7 +157,7 @@ def test_disallowed_pairs_everywhere_raise():
     with pytest.raises(ValueError, match="infinite-cost"):
         si.solve(nodes, edges)
     with pytest.raises(ValueError, match="infinite resharding cost"):
-        si.merge_forced(nodes, edges)
+        ilp_merge.merge_forced(nodes, edges)
 
 
 class _Result:
@@ -257,7 +257,7 @@ def test_merge_forced_collapses_an_elementwise_chain_and_single_strategy_nodes()
         Edge(src=1, dst=2, cost=follow),
         Edge(src=2, dst=3, cost=follow[::-1]),  # crossed pairing: add's strategy 1 follows relu's 0
     ]
-    reduced, reduced_edges, mapping = si.merge_forced(nodes, edges)
+    reduced, reduced_edges, mapping = ilp_merge.merge_forced(nodes, edges)
     assert len(reduced) == 1 and reduced_edges == ()
     assert reduced[0].name == "param+matmul+relu+add"
     assert [s.cost for s in reduced[0].strategies] == pytest.approx(
@@ -266,7 +266,7 @@ def test_merge_forced_collapses_an_elementwise_chain_and_single_strategy_nodes()
     assert [s.memory_bytes for s in reduced[0].strategies] == [6.0, 5.0]
     by_member = [dict(zip(mapping.members[0], row, strict=True)) for row in mapping.choices[0]]
     assert by_member == [{0: 0, 1: 0, 2: 0, 3: 1}, {0: 0, 1: 1, 2: 1, 3: 0}]
-    solution = si.expand(si.solve(reduced, reduced_edges), mapping)
+    solution = ilp_merge.expand(si.solve(reduced, reduced_edges), mapping)
     assert solution.choices == (0, 0, 0, 1) == si.brute_force(nodes, edges).choices
 
 
@@ -274,7 +274,7 @@ def test_merge_forced_folds_an_input_into_the_op_that_fixes_its_layout():
     # The dot's strategies 0 and 1 read the input row-split, strategy 2 column-split.
     nodes = [_node("x", [0.0, 0.0], [4.0, 2.0]), _node("dot", [3.0, 2.0, 1.0])]
     edges = [Edge(src=0, dst=1, cost=np.array([[0.0, 0.5, np.inf], [np.inf, np.inf, 0.0]]))]
-    reduced, reduced_edges, mapping = si.merge_forced(nodes, edges)
+    reduced, reduced_edges, mapping = ilp_merge.merge_forced(nodes, edges)
     assert [n.name for n in reduced] == ["x+dot"] and reduced_edges == ()
     assert [s.name for s in reduced[0].strategies] == ["dot0", "dot1", "dot2"]
     assert [s.cost for s in reduced[0].strategies] == [3.0, 2.5, 1.0]

@@ -30,9 +30,10 @@ import numpy as np
 from autopar._src import cluster as cluster_mod
 from autopar._src import compat, layers, partition
 from autopar._src.collectives import Spec
+from autopar._src.ilp_merge import solve_merged
 from autopar._src.intra_op import alias_root, inputs_memory_only, logical_mesh
 from autopar._src.layout_costs import MeshSpec, divides, shape_of
-from autopar._src.sharding_ilp import Edge, Node, solve_merged, total_memory
+from autopar._src.sharding_ilp import Edge, Node, total_memory
 from autopar._src.strategy_graph import GraphOp, expand_calls, graph_of
 from autopar._src.trace import TracedStep
 
