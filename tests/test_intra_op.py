@@ -12,7 +12,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 import autopar
 from autopar._src import cluster as cluster_mod
 from autopar._src import intra_op, transfers
-from autopar._src.strategy_graph import GraphOp, Inner, expand_calls
 from models import train
 from models.mlp import MLPConfig
 
@@ -127,69 +126,6 @@ def test_attention_splits_heads():
     assert not _collectives(hlo, "bqhd,bkhd->bhqk")
     assert not _collectives(hlo, "bhqk,bkhd->bqhd")
     assert [k for k, _ in _collectives(hlo, "GPT/block_0/attn/out/dot_general")] == ["all-reduce"]
-
-
-def test_nested_calls_expand_into_their_bodies():
-    @jax.jit
-    def act(h):
-        return jax.nn.gelu(h)
-
-    @jax.checkpoint
-    def block(w, x):
-        return act(x @ w) @ w.T
-
-    closed = jax.make_jaxpr(lambda w, x: block(w, x) * 2.0)(np.ones((4, 4)), np.ones((8, 4)))
-    jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
-    call, scale = jaxpr.eqns
-    w, x = jaxpr.invars
-    alias = {}
-    ops = expand_calls(GraphOp(call, (w, x), tuple(call.outvars)), alias)
-    names = [op.eqn.primitive.name for op in ops]
-    assert "dot_general" in names and "checkpoint" not in names and "remat2" not in names
-    assert "jit" not in names and "pjit" not in names  # the nested jit's body is inlined too
-    assert ops[0].ins == (x, w)  # the body reads the call's operands
-    depth = {len(name.path) for op in ops for name in op.outs if name is not None}
-    assert depth == {1, 2}  # values of the checkpoint body, and of the jit body inside it
-    assert all(name.path[0] == id(call) for op in ops for name in op.outs if name is not None)
-    # The call's result is the body's last value (the jit's result is its body's), and an
-    # equation that calls nothing is left alone.
-    assert intra_op.alias_root(alias, call.outvars[0]) == ops[-1].outs[0]
-    assert len(alias) == 2
-    assert expand_calls(GraphOp(scale, (call.outvars[0], None), (scale.outvars[0],)), alias) == [
-        GraphOp(scale, (call.outvars[0], None), (scale.outvars[0],))
-    ]
-
-
-def test_rematerialised_blocks_are_laid_out_inside():
-    config = train.tiny_config("gpt", hidden=256, num_heads=8, num_layers=1, remat=True)
-    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
-    batches = [train.make_batch("gpt", config, 2, seed=i) for i in range(3)]
-    par = assert_same_as_jit(
-        step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(1, 8)
-    )
-    exe = par.executable(state, batches[0])
-    chosen = exe.shardings[0]
-    # The backward recomputes the block inside a checkpoint call; the ILP splits its heads as
-    # it does the forward's, and the driver pins the values inside.
-    recompute = {
-        str(op.eqn.source_info.name_stack).split("/", 1)[1]: chosen.strategies[op.outs[0]]
-        for op in _dots(exe)
-        if isinstance(op.outs[0], Inner) and "rematted_computation" in str(op.eqn.source_info.name_stack)
-    }
-    for proj in ("query", "key", "value"):
-        assert recompute[f"block_0/attn/{proj}"] == "column[model]", recompute
-    assert recompute["block_0/attn/bqhd,bkhd->bhqk"] == "heads[model]", recompute
-    assert recompute["block_0/attn/bhqk,bkhd->bqhd"] == "heads[model]", recompute
-    assert any(isinstance(k, Inner) for k in chosen.pinned)
-    hlo = _hlo(exe)
-    assert not _collectives(hlo, "bqhd,bkhd->bhqk")
-    assert not _collectives(hlo, "bhqk,bkhd->bqhd")
-    # Still rematerialised: the recompute sits behind an optimization barrier.
-    lowered = [
-        fn.lower(*[jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype) for k in task.in_keys]).as_text()
-        for task, fn in zip(exe.program.tasks, exe.fns, strict=True)
-    ]
-    assert any("optimization_barrier" in text for text in lowered)
 
 
 def _tight_cluster(state, fraction):

@@ -112,8 +112,8 @@ def test_pinned_layouts_and_the_memory_bound_of_the_free_layouts():
     # The bounded answers keep each layer's inputs within the pinned layouts' bytes per device.
     mesh = logical_mesh(spec, (1, 8), layer_sharding.AXES)
     pinned = problems.fixed(kernels, mesh)
-    for ops in problems.ops:
-        key = (layer_sharding._signature(ops, pinned, problems.carried), mesh, 1)
+    for ops, ties in zip(problems.ops, problems.ties, strict=True):
+        key = (layer_sharding._signature(ops, pinned, problems.carried, ties), mesh, 1)
         (seconds, memory), bounded = layer_sharding._CACHE[key], layer_sharding._CACHE[(key, "memory_like")]
         assert bounded[1] <= memory * (1 + 1e-6) and bounded[0] <= seconds
     with pytest.raises(ValueError, match="not both"):

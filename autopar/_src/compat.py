@@ -8,7 +8,7 @@ Everything else in autopar uses public APIs only. Supported: jax 0.10.x
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jcore
@@ -115,14 +115,68 @@ def inlinable_body(eqn: Any) -> Any | None:
     return remat_body(eqn)
 
 
-def bind_remat(eqn: Any, fn: Callable[..., Sequence[Any]], invals: Sequence[Any]) -> list[Any]:
-    """Binds the rematerialised call ``eqn`` on ``invals`` with its body replaced by the trace of
-    ``fn`` (same operands and results), keeping the call's policy and its barrier against CSE."""
-    closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*(v.aval for v in remat_body(eqn).invars))
-    body, consts = jaxpr_and_consts(closed)
+class Loop(NamedTuple):
+    """A ``scan``'s body and how its operands split: constants, carries, scanned arrays."""
+
+    body: Any
+    """Open jaxpr of one iteration: constants, carries and slices in; carries and slices out."""
+    num_consts: int
+    num_carry: int
+    length: int
+
+
+def scan_loop(eqn: Any) -> Loop | None:
+    """The loop of a ``scan`` equation, or None for any other equation.
+
+    The split is read off the avals, which every jax version keeps: a scanned operand or
+    result has the body's aval with a leading ``length`` dim, a constant or carry has the
+    body's aval, and the carries come first among the results.
+    """
+    if eqn.primitive.name != "scan":
+        return None
+    body, consts = jaxpr_and_consts(eqn.params["jaxpr"])
+    length = eqn.params["length"]
+    if (
+        consts
+        or body.constvars
+        or len(body.invars) != len(eqn.invars)
+        or len(body.outvars) != len(eqn.outvars)
+    ):
+        return None
+
+    def same(a: Any, b: Any) -> bool:
+        return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+
+    def stacked(outer: Any, inner: Any) -> bool:
+        return tuple(outer.shape) == (length, *inner.shape) and outer.dtype == inner.dtype
+
+    ins = [(o.aval, b.aval) for o, b in zip(eqn.invars, body.invars, strict=True)]
+    outs = [(o.aval, b.aval) for o, b in zip(eqn.outvars, body.outvars, strict=True)]
+    fixed = next((i for i, (o, b) in enumerate(ins) if not same(o, b)), len(ins))
+    num_carry = next((i for i, (o, b) in enumerate(outs) if not same(o, b)), len(outs))
+    num_consts = fixed - num_carry
+    if (
+        num_consts < 0
+        or not all(stacked(o, b) for o, b in ins[fixed:])
+        or not all(stacked(o, b) for o, b in outs[num_carry:])
+        or not all(same(ins[num_consts + i][1], outs[i][1]) for i in range(num_carry))
+    ):
+        return None
+    return Loop(body, num_consts, num_carry, length)
+
+
+def bind_with_body(eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals: Sequence[Any]) -> list[Any]:
+    """Binds ``eqn`` (a rematerialised call or a ``scan``) on ``invals`` with its body ``body``
+    replaced by the trace of ``fn`` (same operands and results), keeping every other param: a
+    checkpoint's policy and barrier against CSE, a scan's length, direction and unrolling."""
+    closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*(v.aval for v in body.invars))
+    new, consts = jaxpr_and_consts(closed)
     if consts:
-        raise RuntimeError(f"a rematerialised body traced to {len(consts)} constants; expected none")
-    return list(eqn.primitive.bind(*invals, **dict(eqn.params, jaxpr=body)))
+        raise RuntimeError(f"a {eqn.primitive.name} body traced to {len(consts)} constants; expected none")
+    old = eqn.params["jaxpr"]
+    if getattr(old, "jaxpr", None) is not None and old.jaxpr is not old:  # a ClosedJaxpr (jax 0.10)
+        new = jcore.ClosedJaxpr(new, [])
+    return list(eqn.primitive.bind(*invals, **dict(eqn.params, jaxpr=new)))
 
 
 def source_line(eqn: Any) -> str:

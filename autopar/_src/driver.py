@@ -66,10 +66,11 @@ def _acc(op: Op, vals: list[Any]) -> Any:
 def bind_pinned(
     eqn: Any, vals: list[Any], inner: dict[Inner, NamedSharding], path: tuple[int, ...] = ()
 ) -> list[Any]:
-    """Applies ``eqn`` to ``vals``. A nested call runs its body with the values the ILP laid out
-    inside it pinned (``inner``, see :func:`~autopar._src.strategy_graph.expand_calls`): a
-    ``jit`` body inline, a rematerialised body re-traced into the same rematerialised call."""
-    body = compat.inlinable_body(eqn) if inner else None
+    """Applies ``eqn`` to ``vals``. A nested call or loop runs its body with the values the ILP
+    laid out inside it pinned (``inner``, see :func:`~autopar._src.strategy_graph.expand_calls`):
+    a ``jit`` body inline; a rematerialised or ``scan`` body re-traced into the same equation."""
+    loop = compat.scan_loop(eqn) if inner else None
+    body = loop.body if loop is not None else compat.inlinable_body(eqn) if inner else None
     if body is None:
         return compat.bind_eqn(eqn, vals)
     here = (*path, id(eqn))
@@ -88,7 +89,9 @@ def bind_pinned(
                     env[v] = x if pin is None else jax.lax.with_sharding_constraint(x, pin)
         return [read(a) for a in body.outvars]
 
-    return compat.bind_remat(eqn, run, vals) if compat.remat_body(eqn) is not None else run(*vals)
+    if loop is None and compat.remat_body(eqn) is None:
+        return run(*vals)
+    return compat.bind_with_body(eqn, body, run, vals)
 
 
 def _task_fn(

@@ -25,7 +25,7 @@ from autopar._src.layout_costs import MeshSpec, share_bytes
 from autopar._src.partition import Program, Transfer
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.sharding_ilp import Node
-from autopar._src.strategy_graph import GraphOp, expand_calls, graph_of
+from autopar._src.strategy_graph import GraphOp, Tie, expand_calls, graph_of
 from autopar._src.trace import TracedStep
 
 STAGE_TIME_LIMIT = 120.0
@@ -99,8 +99,9 @@ def logical_mesh(
     )
 
 
-def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, Any]]:
-    """The equations ``stage`` runs, each once with how many times per step, and value aliases.
+def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, Any], list[Tie]]:
+    """The equations ``stage`` runs, each once with how many times per step, value aliases and
+    the loop carries to keep in one layout (calls and loops expanded, see :func:`expand_calls`).
 
     Values are jaxpr variables. An accumulator (the running sum of a gradient over
     microbatches, and its mean) has the layout of the value it sums, and a layer boundary
@@ -118,6 +119,7 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
         return alias_root(alias, k[0]) if isinstance(k, tuple) else None
 
     ops: list[GraphOp] = []
+    ties: list[Tie] = []
     seen: set[int] = set()
     for t in program.tasks:
         if t.stage != stage:
@@ -135,8 +137,8 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
                 seen.add(id(op.eqn))
                 ins = tuple(resolve(k) for k in op.ins)
                 outs = tuple(None if k is None else resolve(k) for k in op.outs)
-                ops += expand_calls(GraphOp(op.eqn, ins, outs, count[id(op.eqn)]), alias)
-    return ops, alias
+                ops += expand_calls(GraphOp(op.eqn, ins, outs, count[id(op.eqn)]), alias, ties)
+    return ops, alias, ties
 
 
 def solve_stage(
@@ -163,8 +165,8 @@ def solve_stage(
         is not one the input can take on ``mesh``.
     """
     start = time.perf_counter()
-    ops, alias = stage_ops(program, stage)
-    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed)
+    ops, alias, ties = stage_ops(program, stage)
+    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=ties)
     made = {name for op in ops for name in op.outs if name is not None}
     nodes = inputs_memory_only(nodes, producer, made)
     nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)

@@ -34,7 +34,7 @@ from autopar._src.ilp_merge import solve_merged
 from autopar._src.intra_op import alias_root, inputs_memory_only, logical_mesh
 from autopar._src.layout_costs import MeshSpec, divides, shape_of
 from autopar._src.sharding_ilp import Edge, Node, total_memory
-from autopar._src.strategy_graph import GraphOp, expand_calls, graph_of
+from autopar._src.strategy_graph import GraphOp, Tie, expand_calls, graph_of
 from autopar._src.trace import TracedStep
 
 AXES = ("data", "model")
@@ -56,17 +56,19 @@ class LayerProblems:
             return None if compat.is_literal(v) or compat.is_dropvar(v) else alias_root(alias, v)
 
         ops: list[list[GraphOp]] = [[] for _ in range(len(info.cuts) + 1)]
+        ties: list[list[Tie]] = [[] for _ in ops]
         for eqn, (layer, _) in zip(rj.eqns, where, strict=True):
             if layers.is_boundary(eqn):
                 for a, v in zip(eqn.invars, eqn.outvars, strict=True):
                     if name(a) is not None and not compat.is_dropvar(v):
                         alias[v] = name(a)
                 continue
-            ops[layer] += expand_calls(
-                GraphOp(eqn, tuple(map(name, eqn.invars)), tuple(map(name, eqn.outvars))), alias
-            )
+            op = GraphOp(eqn, tuple(map(name, eqn.invars)), tuple(map(name, eqn.outvars)))
+            ops[layer] += expand_calls(op, alias, ties[layer])
         self.ops = ops
         """Per layer, its forward and backward equations (boundary markers are identities)."""
+        self.ties = ties
+        """Per layer, its loops' carries (see :func:`~autopar._src.strategy_graph.expand_calls`)."""
         region_inputs = [*rj.constvars, *rj.invars]
         diff = region_inputs[len(region_inputs) - info.num_grads :]
         grads = [name(v) for v in rj.outvars[len(rj.outvars) - info.num_grads :]]
@@ -97,7 +99,10 @@ class LayerProblems:
 
 
 def _signature(
-    ops: Sequence[GraphOp], fixed: Mapping[Any, Spec] | None = None, carried: Mapping[Any, Any] | None = None
+    ops: Sequence[GraphOp],
+    fixed: Mapping[Any, Spec] | None = None,
+    carried: Mapping[Any, Any] | None = None,
+    ties: Sequence[Tie] = (),
 ) -> tuple[Any, ...]:
     """The structure of a layer: its equations' primitives, params and avals, how they connect,
     the layouts ``fixed`` gives its inputs and which of its values are gradients of which."""
@@ -118,10 +123,11 @@ def _signature(
         for op in ops
     )
     pins = tuple(sorted((index[n], spec) for n, spec in (fixed or {}).items() if n in index))
-    ties = tuple(
+    grads = tuple(
         sorted((index[g], index[p]) for g, p in (carried or {}).items() if g in index and p in index)
     )
-    return structure, pins, ties
+    loops = tuple((ref(t.out), ref(t.into), t.weight) for t in ties)
+    return structure, pins, grads, loops
 
 
 def gradient_tail(ops: Sequence[GraphOp], grads: Sequence[Any]) -> set[int]:
@@ -152,6 +158,7 @@ def gradient_tail(ops: Sequence[GraphOp], grads: Sequence[Any]) -> set[int]:
 
 def _solve(
     ops: Sequence[GraphOp],
+    ties: Sequence[Tie],
     mesh: MeshSpec,
     carried: Mapping[Any, Any],
     fixed: Mapping[Any, Spec],
@@ -160,7 +167,7 @@ def _solve(
     microbatches: int,
 ) -> tuple[float, float]:
     """``(seconds, bytes of the layer's inputs per device)`` of the layer's best sharding."""
-    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed)
+    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=ties)
     nodes = inputs_memory_only(nodes, producer, {name for op in ops for name in op.outs if name is not None})
     if microbatches > 1:
         nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
@@ -242,16 +249,18 @@ def layer_latency(
         for q, shape in enumerate(shapes):
             mesh = logical_mesh(spec, tuple(shape), AXES, dtype, platform=platform)
             pinned = problems.fixed(fixed or memory_like, mesh)
-            for i, ops in enumerate(problems.ops):
-                key = (_signature(ops, pinned, problems.carried), mesh, microbatches)
+            for i, (ops, ties) in enumerate(zip(problems.ops, problems.ties, strict=True)):
+                key = (_signature(ops, pinned, problems.carried, ties), mesh, microbatches)
                 if key not in _CACHE:
-                    _CACHE[key] = _solve(ops, mesh, problems.carried, pinned, None, time_limit, microbatches)
+                    _CACHE[key] = _solve(
+                        ops, ties, mesh, problems.carried, pinned, None, time_limit, microbatches
+                    )
                 seconds, memory = _CACHE[key]
                 if memory_like:
                     free_key = (key, "memory_like")
                     if free_key not in _CACHE:
                         budget = memory * (1 + 1e-9)
-                        free = _solve(ops, mesh, problems.carried, {}, budget, time_limit, microbatches)
+                        free = _solve(ops, ties, mesh, problems.carried, {}, budget, time_limit, microbatches)
                         # The pinned layouts are one of the free problem's answers: a time-limited
                         # solve that found worse keeps them.
                         _CACHE[free_key] = min(free, (seconds, memory))

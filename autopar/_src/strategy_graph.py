@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from autopar._src import compat, cost
@@ -68,17 +69,47 @@ class Inner(NamedTuple):
         return self.var.aval
 
 
-def expand_calls(op: GraphOp, alias: dict[Any, Any], path: tuple[int, ...] = ()) -> list[GraphOp]:
-    """``op``, or for a nested ``jit`` or rematerialised (``jax.checkpoint``) call the equations
-    of its body, recursively, so that the ILP lays out the values inside as it lays out any others.
+class Tie(NamedTuple):
+    """Two values that should share a layout: a loop's carry out and the carry it starts from."""
+
+    out: Any
+    into: Any
+    weight: int
+    """How many times a resharding between them would run per step."""
+
+
+def _sliced(aval: Any, *, stack: bool) -> Any:
+    """The jaxpr of taking one slice of a scanned operand (``stack``: of putting one result
+    slice into the stacked result), as the equations a ``scan`` runs per iteration."""
+    if stack:
+        closed = jax.make_jaxpr(lambda y: jax.lax.expand_dims(y, (0,)))(
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        )
+    else:
+        closed = jax.make_jaxpr(lambda a: jax.lax.index_in_dim(a, 0, keepdims=False))(
+            jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        )
+    return compat.jaxpr_and_consts(closed)[0]
+
+
+def expand_calls(
+    op: GraphOp, alias: dict[Any, Any], ties: list[Tie] | None = None, path: tuple[int, ...] = ()
+) -> list[GraphOp]:
+    """``op``, or for a nested ``jit``, a rematerialised (``jax.checkpoint``) call or a ``scan``
+    the equations of its body, recursively, so that the ILP lays out the values inside as it
+    lays out any others.
 
     The body reads the call's inputs; the values its equations make are named
     :class:`Inner` ``(path + (id(op.eqn),), var)``; each result of the call becomes an alias (in
-    ``alias``) of the body value it returns. The driver pins the values inside (see
-    :func:`autopar._src.driver.bind_pinned`). A body that returns a literal, or an input that
-    is one, stays a single op.
+    ``alias``) of the body value it returns. A ``scan``'s body counts ``length`` times; its
+    scanned operands reach the body through a slicing op and its stacked results leave through
+    a stacking op (the per-iteration copies the loop does), and each carry out is tied (in
+    ``ties``) to the carry it starts from, so that the loop keeps one layout. The driver pins
+    the values inside (see :func:`autopar._src.driver.bind_pinned`). A body that returns a
+    literal, or an input that is one, stays a single op.
     """
-    body = compat.inlinable_body(op.eqn)
+    loop = compat.scan_loop(op.eqn)
+    body = loop.body if loop is not None else compat.inlinable_body(op.eqn)
     if body is None:
         return [op]
     env: dict[Any, Any] = dict(zip(body.invars, op.ins, strict=True))
@@ -88,18 +119,42 @@ def expand_calls(op: GraphOp, alias: dict[Any, Any], path: tuple[int, ...] = ())
     ):
         return [op]
     here = (*path, id(op.eqn))
+    weight = op.weight * (loop.length if loop is not None else 1)
+    ops: list[GraphOp] = []
 
     def name(v: Any) -> Any:
         return None if compat.is_literal(v) else env[v]
 
-    ops: list[GraphOp] = []
-    for e in body.eqns:
-        outs = tuple(None if compat.is_dropvar(v) else Inner(here, v) for v in e.outvars)
-        ops += expand_calls(GraphOp(e, tuple(map(name, e.invars)), outs, op.weight), alias, here)
-        env.update((v, n) for v, n in zip(e.outvars, outs, strict=True) if n is not None)
-    for out, v in zip(op.outs, body.outvars, strict=True):
-        if out is not None and name(v) != out:
-            alias[out] = name(v)
+    def inline(jaxpr: Any, ins: tuple[Any, ...]) -> list[Any]:
+        """Adds ``jaxpr``'s equations reading ``ins``; the names of its results."""
+        env.update(zip(jaxpr.invars, ins, strict=True))
+        for e in jaxpr.eqns:
+            outs = tuple(None if compat.is_dropvar(v) else Inner(here, v) for v in e.outvars)
+            ops.extend(expand_calls(GraphOp(e, tuple(map(name, e.invars)), outs, weight), alias, ties, here))
+            env.update((v, n) for v, n in zip(e.outvars, outs, strict=True) if n is not None)
+        return [name(v) for v in jaxpr.outvars]
+
+    if loop is None:
+        body_ins = op.ins
+    else:  # each iteration reads one slice of every scanned operand
+        first_x = loop.num_consts + loop.num_carry
+        slices = [
+            None if src is None else inline(_sliced(v.aval, stack=False), (src,))[0]
+            for v, src in zip(op.eqn.invars[first_x:], op.ins[first_x:], strict=True)
+        ]
+        body_ins = (*op.ins[:first_x], *slices)
+    results = inline(body, body_ins)
+    for k, (out, res) in enumerate(zip(op.outs, results, strict=True)):
+        if loop is not None and k >= loop.num_carry:  # ... and writes one slice of every stacked result
+            if out is not None:
+                alias[out] = inline(_sliced(body.outvars[k].aval, stack=True), (res,))[0]
+            continue
+        if loop is not None and ties is not None:
+            start = body_ins[loop.num_consts + k]
+            if start is not None and res != start:
+                ties.append(Tie(out=res, into=start, weight=weight))
+        if out is not None and res != out:
+            alias[out] = res
     return ops
 
 
@@ -109,6 +164,7 @@ def graph_of(
     inputs: Sequence[Any] = (),
     carried: Mapping[Any, Any] | None = None,
     fixed: Mapping[Any, Spec] | None = None,
+    ties: Sequence[Tie] = (),
 ) -> tuple[tuple[Node, ...], tuple[Edge, ...], dict[Any, tuple[int, int]]]:
     """The strategy graph of a sequence of equations over named values.
 
@@ -120,7 +176,8 @@ def graph_of(
     reads several values of one producer), times the consumer's weight. ``carried`` maps a
     value to the input it becomes at the next step (the new parameters to the parameters):
     an edge between their nodes prices resharding one into the other once per step.
-    ``fixed`` gives some inputs their only layout (trailing dims may be left out).
+    ``fixed`` gives some inputs their only layout (trailing dims may be left out). Each of
+    ``ties`` (loop carries, from :func:`expand_calls`) adds such an edge with its weight.
 
     Raises:
       ValueError: if a ``fixed`` layout is not one the input can take on ``mesh``.
@@ -186,18 +243,19 @@ def graph_of(
             if name is not None:
                 producer[name] = (dst, k)
         nodes.append(node)
-    for out_name, in_name in (carried or {}).items():
+    pairs = [Tie(out, into, 1) for out, into in (carried or {}).items()] + list(ties)
+    for out_name, in_name, weight in pairs:
         if out_name not in producer or in_name not in producer:
             continue
-        (src, k), (dst, _) = producer[out_name], producer[in_name]
+        (src, k), (dst, k_in) = producer[out_name], producer[in_name]
         if src == dst:
             continue
         shape = shape_of(in_name)
         itemsize = cost.aval_bytes(in_name.aval) // max(math.prod(shape), 1)
-        matrix = np.array(
+        matrix = weight * np.array(
             [
                 [
-                    reshard(s.output_specs[k], t.output_specs[0], shape, itemsize)
+                    reshard(s.output_specs[k], t.output_specs[k_in], shape, itemsize)
                     for t in nodes[dst].strategies
                 ]
                 for s in nodes[src].strategies
