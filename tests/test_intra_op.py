@@ -103,15 +103,21 @@ def test_small_batch_large_weights_is_megatron():
     assert not [c for c in _collectives(hlo) if re.search(r"\[(1024,4096|4096,1024)\]", c[1])]
 
 
-def test_attention_splits_heads():
-    config = train.tiny_config("gpt", hidden=256, num_heads=8, num_layers=1)
+def _gpt_on_one_stage(**overrides):
+    """A tiny GPT's step on one stage of 8 devices as (1, 8): equal to ``jax.jit`` over three
+    steps; its executable and the stage's sharding."""
+    config = train.tiny_config("gpt", **overrides)
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
     batches = [train.make_batch("gpt", config, 2, seed=i) for i in range(3)]
     par = assert_same_as_jit(
         step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(1, 8)
     )
     exe = par.executable(state, batches[0])
-    chosen = exe.shardings[0]
+    return exe, exe.shardings[0]
+
+
+def test_attention_splits_heads():
+    exe, chosen = _gpt_on_one_stage(hidden=256, num_heads=8, num_layers=1)
     by_source = {}
     for op in _dots(exe):
         name = str(op.eqn.source_info.name_stack)

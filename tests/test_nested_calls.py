@@ -3,12 +3,10 @@ and ``scan`` layer stacks are laid out like any other equations, and the driver 
 
 import jax
 import numpy as np
-from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
-from test_intra_op import _collectives, _dots, _hlo
+from test_intra_op import _collectives, _dots, _gpt_on_one_stage, _hlo
 
 from autopar._src import compat, intra_op
 from autopar._src.strategy_graph import GraphOp, Inner, Tie, expand_calls
-from models import train
 
 
 def _eqns(closed):
@@ -47,14 +45,7 @@ def test_nested_calls_expand_into_their_bodies():
 
 
 def test_rematerialised_blocks_are_laid_out_inside():
-    config = train.tiny_config("gpt", hidden=256, num_heads=8, num_layers=1, remat=True)
-    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
-    batches = [train.make_batch("gpt", config, 2, seed=i) for i in range(3)]
-    par = assert_same_as_jit(
-        step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(1, 8)
-    )
-    exe = par.executable(state, batches[0])
-    chosen = exe.shardings[0]
+    exe, chosen = _gpt_on_one_stage(hidden=256, num_heads=8, num_layers=1, remat=True)
     # The backward recomputes the block inside a checkpoint call; the ILP splits its heads as
     # it does the forward's, and the driver pins the values inside.
     recompute = {
@@ -121,14 +112,7 @@ def test_scan_expands_into_one_iteration_weighted_by_its_length():
 
 
 def test_scanned_layer_stack_is_laid_out_inside_its_loop():
-    config = train.tiny_config("gpt", hidden=256, num_heads=8, num_layers=2, scan_layers=True, remat=True)
-    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
-    batches = [train.make_batch("gpt", config, 2, seed=i) for i in range(3)]
-    par = assert_same_as_jit(
-        step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(1, 8)
-    )
-    exe = par.executable(state, batches[0])
-    chosen = exe.shardings[0]
+    exe, chosen = _gpt_on_one_stage(hidden=256, num_heads=8, num_layers=2, scan_layers=True, remat=True)
     ops, _, ties = intra_op.stage_ops(exe.program, 0)
     assert not [op for op in ops if op.eqn.primitive.name == "scan"]
     assert ties and all(t.weight == 2 for t in ties)  # two layers per loop

@@ -95,9 +95,9 @@ def bind_pinned(
 
 
 def _task_fn(
-    task: Task, pins: dict[Key, NamedSharding], inner: dict[Inner, NamedSharding]
+    task: Task, pins: dict[Key, NamedSharding], inner: dict[Inner, NamedSharding] | None = None
 ) -> Callable[..., tuple[Any, ...]]:
-    ops, in_keys, out_keys = task.ops, task.in_keys, task.out_keys
+    ops, in_keys, out_keys, inner = task.ops, task.in_keys, task.out_keys, inner or {}
 
     def fn(*args: Any) -> tuple[Any, ...]:
         env: dict[Key, Any] = dict(zip(in_keys, args, strict=True))
