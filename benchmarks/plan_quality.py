@@ -246,8 +246,8 @@ def _journal_key(job: tuple[str, str, int], options: dict[str, Any]) -> str:
     return json.dumps([list(job), {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}])
 
 
-def _read_journal(path: str | None, options: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Journal key -> cell, of the cells a previous run with the same options planned."""
+def _read_journal(path: str | None) -> dict[str, dict[str, Any]]:
+    """Journal key (job and options, see :func:`_journal_key`) -> cell, of every cell planned."""
     if path is None or not os.path.exists(path):
         return {}
     with open(path) as f:
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
         costs=args.costs,
         ilp_microbatches=tuple(args.ilp_microbatches),
     )
-    done = _read_journal(args.journal, options)
+    done = _read_journal(args.journal)
     plan = functools.partial(_journaled_job, journal=args.journal, done=done, **options)
     with (
         concurrent.futures.ProcessPoolExecutor(

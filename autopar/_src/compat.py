@@ -107,12 +107,14 @@ def remat_body(eqn: Any) -> Any | None:
 
 
 def inlinable_body(eqn: Any) -> Any | None:
-    """The body of a nested ``jit`` call or a rematerialised call, as an open jaxpr over the
-    call's operands; None for any other equation (and for bodies with constants)."""
+    """The body of a nested ``jit`` call, a rematerialised call or a ``scan`` (one iteration), as
+    an open jaxpr over the equation's operands; None for any other equation (and for bodies with
+    constants)."""
     if is_call(eqn):
         body, consts = call_body(eqn)
         return None if consts or body.constvars else body
-    return remat_body(eqn)
+    loop = scan_loop(eqn)
+    return loop.body if loop is not None else remat_body(eqn)
 
 
 class Loop(NamedTuple):

@@ -69,8 +69,7 @@ def bind_pinned(
     """Applies ``eqn`` to ``vals``. A nested call or loop runs its body with the values the ILP
     laid out inside it pinned (``inner``, see :func:`~autopar._src.strategy_graph.expand_calls`):
     a ``jit`` body inline; a rematerialised or ``scan`` body re-traced into the same equation."""
-    loop = compat.scan_loop(eqn) if inner else None
-    body = loop.body if loop is not None else compat.inlinable_body(eqn) if inner else None
+    body = compat.inlinable_body(eqn) if inner else None
     if body is None:
         return compat.bind_eqn(eqn, vals)
     here = (*path, id(eqn))
@@ -89,9 +88,7 @@ def bind_pinned(
                     env[v] = x if pin is None else jax.lax.with_sharding_constraint(x, pin)
         return [read(a) for a in body.outvars]
 
-    if loop is None and compat.remat_body(eqn) is None:
-        return run(*vals)
-    return compat.bind_with_body(eqn, body, run, vals)
+    return run(*vals) if compat.is_call(eqn) else compat.bind_with_body(eqn, body, run, vals)
 
 
 def _task_fn(
@@ -166,6 +163,7 @@ class Executable:
         for ins in self.program.instrs:
             if isinstance(ins, Run):
                 last_read[ins.task] = {loc[0] for loc in ins.frees}
+        inner = [self._inner_pins(stage) for stage in range(len(self.meshes))]
         for ti, t in enumerate(self.program.tasks):
             s_in = tuple(self.spec(k, t.stage) for k in t.in_keys)
             s_out = tuple(self.spec(k, t.stage) for k in t.out_keys)
@@ -175,7 +173,7 @@ class Executable:
             if sig not in cache:
                 mesh = self.meshes[t.stage]
                 cache[sig] = jax.jit(
-                    _task_fn(t, self._pins(t), self._inner_pins(t.stage)),
+                    _task_fn(t, self._pins(t), inner[t.stage]),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
                     out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
                     donate_argnums=donate,
