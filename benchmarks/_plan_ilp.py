@@ -49,20 +49,52 @@ def priced_meshes(submeshes, logical, devices_per_host: int) -> list[tuple[int, 
     ]
 
 
-def ilp_costs(step, state, batch, spec, *, batch_size: int, num_microbatches: int, dtype: str):
+def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: int, num_layers=None):
+    """``(traced step, layer profile)`` of one microbatch (``batch_size / num_microbatches`` rows),
+    cut into ``num_layers`` layers (``None``: as many as the clustering chooses)."""
+    import jax
+
+    from autopar._src import planning, profile, trace
+
+    num_state = len(jax.tree.leaves(state))
+    batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
+    rows = batch_size // num_microbatches
+    traced = planning.trace_at(
+        step, (state, batch), batch_ids, rows, trace.TraceOptions(num_layers=num_layers)
+    )
+    return traced, profile.layer_profile(traced, batch_ids)
+
+
+def step_bound(traced, spec, *, num_microbatches: int, dtype: str) -> float:
+    """A lower bound on the step seconds of any plan on ``spec``'s devices under the ILP's costs.
+
+    Every layout of an equation on ``n`` devices costs at least ``1 / n`` of its cost on one
+    device (compute is divided by at most the devices sharing it, memory-bound work by at most
+    the devices its output is split over), and a pipeline's step takes at least its
+    microbatches times its slowest stage's latency, which is at least the sum of the stages'
+    work over the devices. So no plan is faster than one device's forward and backward of the
+    whole step times ``num_microbatches / N``: perfect scaling with free communication.
+    """
+    from autopar._src import layer_sharding
+
+    one = layer_sharding.layer_latency(
+        traced, spec, [(1, 1)], [[(1, 1)]], dtype=dtype, microbatches=num_microbatches
+    )
+    return float(one.sum()) * num_microbatches / spec.num_devices
+
+
+def ilp_costs(
+    step, state, batch, spec, *, batch_size: int, num_microbatches: int, dtype: str, num_layers=None
+):
     """``(autopar costs, Megatron costs, layer profile)`` of one microbatch count.
 
     ``state`` and ``batch`` are abstract; the batch is cut to ``batch_size / num_microbatches``.
     """
-    import jax
+    from autopar._src import cluster, layer_sharding, planner
 
-    from autopar._src import cluster, layer_sharding, planner, planning, profile, trace
-
-    rows = batch_size // num_microbatches
-    num_state = len(jax.tree.leaves(state))
-    batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
-    traced = planning.trace_at(step, (state, batch), batch_ids, rows, trace.TraceOptions(num_layers=None))
-    prof = profile.layer_profile(traced, batch_ids)
+    traced, prof = trace_microbatch(
+        step, state, batch, batch_size=batch_size, num_microbatches=num_microbatches, num_layers=num_layers
+    )
     layouts = megatron_layouts(state, batch)
     submeshes = cluster.submesh_shapes(spec)
     logical = [cluster.logical_shapes(m) for m in submeshes]

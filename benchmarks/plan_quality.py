@@ -46,13 +46,13 @@ import json
 import math
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common, _plan_ilp  # noqa: E402
+from benchmarks._plan_table import HEADERS, cell_summary, grid_name, margins, summary_lines, table_row  # noqa: E402
 
 DEVICE_COUNTS = (8, 16, 32, 64)
 SIZES: dict[str, dict[str, dict[int, str]]] = {
@@ -101,10 +101,6 @@ def abstract_step(model: str, dtype: str, batch_size: int | None = None):
     return train.linen_step(kind), state, batch, kind, batch_size
 
 
-def _grid_name(grid: tuple[int, int, int]) -> str:
-    return "x".join(map(str, grid))
-
-
 def _stage_search(costs, common: dict[str, Any]) -> dict[str, Any] | None:
     """autopar's stage DP on one microbatch count's costs, as plain data (None if nothing fits)."""
     from autopar._src import stages
@@ -141,6 +137,68 @@ def _faster(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any
     return a
 
 
+def _batch_ids(state, batch) -> tuple[int, ...]:
+    import jax
+
+    num_state = len(jax.tree.leaves(state))
+    return tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
+
+
+def _cluster(preset: str, num_devices: int):
+    from autopar._src.cluster import preset as cluster_preset
+
+    per_host = min(num_devices, 8)
+    return cluster_preset(preset, num_devices // per_host, devices_per_host=per_host)
+
+
+def _ilp_candidates(batch_size: int, ilp_microbatches: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(b for b in ilp_microbatches if batch_size % b == 0)
+
+
+def step_bound(step, state, batch, spec, batch_size, costs, candidates, dtype, prof=None) -> float:
+    """A lower bound on any plan's step seconds under the cell's costs, the least over the
+    microbatch ``candidates``: with ILP costs :func:`benchmarks._plan_ilp.step_bound`; with
+    analytic ones the step's FLOPs over all devices' peak (every stage's compute term is its
+    FLOPs over its devices' peak). ``prof`` is the analytic mode's profile of the whole batch."""
+    if costs == "ilp":
+        return min(
+            _plan_ilp.step_bound(
+                _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=b)[0],
+                spec,
+                num_microbatches=b,
+                dtype=dtype,
+            )
+            for b in candidates
+        )
+    flops = float((prof.forward_flops + prof.backward_flops).sum())
+    return flops / (spec.num_devices * spec.device.flops(prof.dtype))
+
+
+def _cell_bound(job: tuple[str, str, int], options: dict[str, Any]) -> float:
+    """:func:`step_bound` of a cell planned before cells recorded it (from a journal)."""
+    from autopar._src import planning, profile, trace
+
+    model, preset, n = job
+    step, state, batch, _, batch_size = abstract_step(model, DTYPES[preset], options["batch_size"])
+    spec = _cluster(preset, n)
+    if options["costs"] == "ilp":
+        candidates = _ilp_candidates(batch_size, options["ilp_microbatches"])
+        return step_bound(step, state, batch, spec, batch_size, "ilp", candidates, DTYPES[preset])
+    ids = _batch_ids(state, batch)
+    traced = planning.trace_at(step, (state, batch), ids, batch_size, trace.TraceOptions(num_layers=None))
+    return step_bound(
+        step,
+        state,
+        batch,
+        spec,
+        batch_size,
+        "analytic",
+        (),
+        DTYPES[preset],
+        profile.layer_profile(traced, ids),
+    )
+
+
 def plan_cell(
     model: str,
     preset: str,
@@ -156,18 +214,15 @@ def plan_cell(
     ``costs="ilp"`` prices both sides with the sharding ILP (see ``benchmarks/_plan_ilp.py``)
     at the microbatch counts ``ilp_microbatches``.
     """
-    import jax
     import numpy as np
 
     from autopar._src import baselines, planner, planning, profile, trace
-    from autopar._src.cluster import preset as cluster_preset
 
     t0 = time.perf_counter()
     step, state, batch, kind, batch_size = abstract_step(model, DTYPES[preset], batch_size)
-    per_host = min(num_devices, 8)
-    spec = cluster_preset(preset, num_devices // per_host, devices_per_host=per_host)
+    spec = _cluster(preset, num_devices)
     if costs == "ilp":
-        candidates = tuple(b for b in ilp_microbatches if batch_size % b == 0)
+        candidates = _ilp_candidates(batch_size, ilp_microbatches)
         priced = {}
         for b in candidates:
             free, pinned, prof = _plan_ilp.ilp_costs(
@@ -179,8 +234,7 @@ def plan_cell(
             only_dp = dataclasses.replace(free, latency=np.where(data_parallel, free.latency, np.inf))
             priced[b] = {"autopar": free, "autopar_tp1": only_dp, "grids": pinned}
     else:
-        num_state = len(jax.tree.leaves(state))
-        batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
+        batch_ids = _batch_ids(state, batch)
         traced = planning.trace_at(
             step, (state, batch), batch_ids, batch_size, trace.TraceOptions(num_layers=None)
         )
@@ -231,7 +285,8 @@ def plan_cell(
         "microbatch_candidates": list(candidates),
         "autopar": found["autopar"],
         "autopar_tp1": found["autopar_tp1"],
-        "grids": {_grid_name(k): v for k, v in grids.items()},
+        "grids": {grid_name(k): v for k, v in grids.items()},
+        "bound": step_bound(step, state, batch, spec, batch_size, costs, candidates, DTYPES[preset], prof),
         "trace_seconds": trace_seconds,
         "plan_seconds": plan_seconds,
     }
@@ -259,9 +314,12 @@ def _journaled_job(
     job: tuple[str, str, int], *, journal: str | None, done: dict[str, dict[str, Any]], **options: Any
 ) -> dict[str, Any]:
     key = _journal_key(job, options)
-    if key in done:
+    if key in done and "bound" in done[key]:
         return done[key]
-    cell = _plan_job(job, **options)
+    if key in done:  # planned before cells recorded their bound: only that is computed
+        cell = {**done[key], "bound": _cell_bound(job, options)}
+    else:
+        cell = _plan_job(job, **options)
     if journal is not None:  # one write of one line: the processes of --jobs append whole records
         fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -269,82 +327,6 @@ def _journaled_job(
         finally:
             os.close(fd)
     return cell
-
-
-def cell_summary(cell: dict[str, Any]) -> dict[str, Any]:
-    """Best grid, pure data parallel, best grid / autopar and infeasible grids of a cell.
-
-    The ratio is inf when only autopar fits and 0 when only a grid fits (which would be a bug:
-    every grid is a plan the stage search considers).
-    """
-    feasible = {k: v for k, v in cell["grids"].items() if v is not None}
-    best_grid = min(feasible, key=lambda k: feasible[k]["seconds"]) if feasible else None
-    ours = cell["autopar"]
-    if ours is not None and best_grid is not None:
-        ratio: float | None = feasible[best_grid]["seconds"] / ours["seconds"]
-    elif ours is not None:
-        ratio = math.inf
-    else:
-        ratio = None if best_grid is None else 0.0
-    return {
-        "best_grid": best_grid,
-        "ratio": ratio,
-        "dp": cell["grids"].get(_grid_name((cell["devices"], 1, 1))),
-        "infeasible": [k for k, v in cell["grids"].items() if v is None],
-    }
-
-
-def _seconds(plan: dict[str, Any] | None, missing: str = "OOM") -> str:
-    return missing if plan is None else f"{plan['seconds']:.4g} (B={plan['microbatches']})"
-
-
-def _meshes(plan: dict[str, Any] | None) -> str:
-    if plan is None:
-        return "-"
-    return f"{len(plan['stages'])}: " + ",".join("{}x{}".format(*s["logical"]) for s in plan["stages"])
-
-
-HEADERS = [
-    "model",
-    "cluster",
-    "layers",
-    "autopar s",
-    "autopar stages: dp x tp",
-    "best grid dp x tp x pp",
-    "best grid s",
-    "grid / autopar",
-    "pure DP s",
-    "autopar tp=1 s",
-    "OOM grids",
-]
-
-
-def table_row(cell: dict[str, Any]) -> list[Any]:
-    """One row of the results table."""
-    s = cell_summary(cell)
-    grid = cell["grids"][s["best_grid"]] if s["best_grid"] else None
-    ratio = s["ratio"]
-    return [
-        cell["model"],
-        f"{cell['devices']}x{cell['preset'].upper()}",
-        cell["layers"],
-        _seconds(cell["autopar"], "does not fit"),
-        _meshes(cell["autopar"]),
-        s["best_grid"] or "none fits",
-        _seconds(grid, "-"),
-        "-" if ratio is None else f"{ratio:.3f}",
-        _seconds(s["dp"]),
-        _seconds(cell["autopar_tp1"]),
-        f"{len(s['infeasible'])}/{len(cell['grids'])}",
-    ]
-
-
-def margins(cells: list[dict[str, Any]], families: tuple[str, ...]) -> tuple[float, float, float] | None:
-    """(min, median, max) of best grid / autopar over the cells of ``families`` where one fits
-    (a cell where only a grid fits counts as 0; one where only autopar fits is left out)."""
-    ratios = [cell_summary(c)["ratio"] for c in cells if c["family"] in families]
-    finite = [r for r in ratios if r is not None and math.isfinite(r)]
-    return (min(finite), statistics.median(finite), max(finite)) if finite else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -425,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         ilp_microbatches=tuple(args.ilp_microbatches),
     )
     done = _read_journal(args.journal)
+    reused = sum(_journal_key(job, options) in done for job in jobs)
     plan = functools.partial(_journaled_job, journal=args.journal, done=done, **options)
     with (
         concurrent.futures.ProcessPoolExecutor(
@@ -448,15 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = [table_row(c) for c in cells]
     _common.print_table("plan quality (predicted step seconds)", HEADERS, rows)
 
-    summary = []
-    for fams, label in (
-        (HEADLINE_FAMILIES, "GPT and BERT"),
-        (("wresnet",), "Wide-ResNet"),
-        (("moe",), "MoE"),
-    ):
-        m = margins(cells, fams)
-        if m is not None:
-            summary.append(f"{label}: best grid / autopar min {m[0]:.3f}, median {m[1]:.3f}, max {m[2]:.3f}")
+    summary = summary_lines(
+        cells, [(HEADLINE_FAMILIES, "GPT and BERT"), (("wresnet",), "Wide-ResNet"), (("moe",), "MoE")]
+    )
     if args.costs == "ilp":
         method = [
             "Predicted step seconds, not measurements, with every layer priced by the sharding ILP on "
@@ -489,7 +466,17 @@ def main(argv: list[str] | None = None) -> None:
         *method,
         "",
         "`grid / autopar` >= 1 means autopar's plan is at least as fast as the best uniform "
-        "(dp, tp, pp) grid. `OOM grids` counts the grids that fit no microbatch count. Stage lists "
+        "(dp, tp, pp) grid. `bound s` is a lower bound on every plan's step under the same costs: "
+        + (
+            "one device's forward and backward of every layer (the ILP on a 1x1 mesh) times the "
+            "microbatches over N, since no layout gives an equation on n devices less than 1/n of its "
+            "one-device cost"
+            if args.costs == "ilp"
+            else "the step's FLOPs over N devices' peak"
+        )
+        + " (perfect scaling, free communication, no bubble). `grid / bound` is therefore the most any "
+        "plan could gain over the best grid: a target above it cannot be reached in that cell. "
+        "`OOM grids` counts the grids that fit no microbatch count. Stage lists "
         "give each stage's logical mesh. Grids split the clustered layers equally, so `pp` is at "
         "most the number of layers.",
         "",
@@ -503,7 +490,8 @@ def main(argv: list[str] | None = None) -> None:
             for c in cells
         ],
         "",
-        f"Every grid and plan is in the JSON file next to this one. Run time {elapsed:.0f} s.",
+        f"Every grid and plan is in the JSON file next to this one. Run time {elapsed:.0f} s"
+        + (f"; {reused} of {len(cells)} cells were read back from the journal." if reused else "."),
     ]
     config = {
         "pairs": "; ".join(f"{m} on {n}x{p.upper()}" for m, p, n in jobs),

@@ -40,6 +40,9 @@ def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, cos
     data = json.loads((tmp_path / md.replace(".md", ".json")).read_text())
     [cell] = data["cells"]
     assert cell["autopar"]["seconds"] > 0 and "8x1x1" in cell["grids"] and cell["costs"] == costs
+    # The bound is below every plan: autopar's and each grid's that fits.
+    seconds = [cell["autopar"]["seconds"], *(g["seconds"] for g in cell["grids"].values() if g)]
+    assert 0 < cell["bound"] <= min(seconds)
 
 
 def test_gpu_single_tiny_ends_with_mfu(tmp_path):

@@ -103,23 +103,23 @@ def test_single_layer():
 
 
 def _blocks(num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
-    """``num_blocks`` identical blocks of [matmul, gelu, matmul, add]: 400 bytes
+    """``num_blocks`` identical blocks of [matmul, gelu, matmul, add]: 500 bytes
     live inside a block, 100 bytes between blocks."""
     flops = np.tile([4.0, 0, 4, 0], num_blocks)
-    cut_bytes = np.tile([100.0, 400, 400, 400], num_blocks + 1)[: 4 * num_blocks + 1]
+    cut_bytes = np.tile([100.0, 500, 500, 500], num_blocks + 1)[: 4 * num_blocks + 1]
     return flops, cut_bytes
 
 
 def test_auto_layers_on_uniform_blocks_is_one_per_block():
     flops, cut_bytes = _blocks(8)
-    # 16 matmuls; any L > 8 must cut inside a block (400 > 2 * 100 bytes), and
+    # 16 matmuls; any L > 8 must cut inside a block (500 > 4 * 100 bytes), and
     # L = 8 cuts exactly at the block boundaries with equal layers.
     assert choose_num_layers(flops, cut_bytes) == 8
     c = cluster_layers(flops, cut_bytes)
     assert c.cuts == (4, 8, 12, 16, 20, 24, 28) and c.balanced and c.max_cut_bytes == 100.0
     assert choose_num_layers(flops, cut_bytes, max_layers=4) == 4
     # A looser width bound admits one layer per matmul.
-    assert choose_num_layers(flops, cut_bytes, bytes_factor=4.0) == 16
+    assert choose_num_layers(flops, cut_bytes, bytes_factor=5.0) == 16
 
 
 def test_auto_layers_deterministic_bounded_and_equal_to_brute_force():

@@ -36,6 +36,15 @@ import numpy as np
 
 _INF = np.inf
 
+BYTES_FACTOR = 4.0
+"""How much wider than the two-layer cut the widest cut of an automatic clustering may be.
+
+A conv net's reference cut sits in its narrow late feature maps while its first blocks hold
+maps several times wider, so a tight factor (2) left those blocks as one or two layers, and
+the stage search could not balance a pipeline through them (a Wide-ResNet clustered into 4
+layers). Each cut's transfer is priced by the stage search anyway; at 4 the early blocks are
+cut too, while a transformer, whose cuts all carry the same residual stream, is unaffected."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Clustering:
@@ -84,7 +93,7 @@ def cluster_layers(
     num_layers: int | None = None,
     tolerance: float = 0.2,
     max_layers: int = 32,
-    bytes_factor: float = 2.0,
+    bytes_factor: float = BYTES_FACTOR,
 ) -> Clustering:
     """Cuts ``n`` equations into balanced layers with narrow boundaries (see module doc).
 
@@ -119,7 +128,7 @@ def choose_num_layers(
     *,
     tolerance: float = 0.2,
     max_layers: int = 32,
-    bytes_factor: float = 2.0,
+    bytes_factor: float = BYTES_FACTOR,
 ) -> int:
     """The largest ``L`` in ``[1, min(H, max_layers)]`` whose clustering is balanced
     and whose widest cut is at most ``bytes_factor`` times the widest cut of the
@@ -147,7 +156,7 @@ def brute_force_clustering(
     num_layers: int | None = None,
     tolerance: float = 0.2,
     max_layers: int = 32,
-    bytes_factor: float = 2.0,
+    bytes_factor: float = BYTES_FACTOR,
 ) -> Clustering:
     """:func:`cluster_layers` by enumerating every cut vector over all positions (for tests)."""
     flops, cut_bytes = _check_inputs(flops, cut_bytes, tolerance)
