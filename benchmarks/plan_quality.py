@@ -13,6 +13,8 @@ three plans share that cost model:
 Each keeps its best microbatch count. The ratio best grid / autopar is >= 1 when autopar's
 plan is at least as fast; the grids lie inside the stage search's space, so a ratio below 1
 would be a bug. These are predicted step times of the analytic model, not measurements.
+Each cell also records ``bound``, a lower bound on any plan's step under the same costs
+(perfect scaling of one device's work), so best grid / bound is the most any plan could gain.
 
 With ``--costs ilp`` both sides are priced by the sharding ILP instead (see
 ``benchmarks/_plan_ilp.py``): the grids with Megatron-LM's layouts pinned, autopar with free
@@ -52,7 +54,14 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common, _plan_ilp  # noqa: E402
-from benchmarks._plan_table import HEADERS, cell_summary, grid_name, margins, summary_lines, table_row  # noqa: E402
+from benchmarks._plan_table import (  # noqa: E402
+    HEADERS,
+    grid_name,
+    margins,
+    results_notes,
+    summary_lines,
+    table_row,
+)
 
 DEVICE_COUNTS = (8, 16, 32, 64)
 SIZES: dict[str, dict[str, dict[int, str]]] = {
@@ -434,65 +443,14 @@ def main(argv: list[str] | None = None) -> None:
     summary = summary_lines(
         cells, [(HEADLINE_FAMILIES, "GPT and BERT"), (("wresnet",), "Wide-ResNet"), (("moe",), "MoE")]
     )
-    if args.costs == "ilp":
-        method = [
-            "Predicted step seconds, not measurements, with every layer priced by the sharding ILP on "
-            "every logical mesh (power-of-two submeshes, tensor-parallel degree up to one host): free "
-            "layouts for autopar, at most Megatron's bytes of each layer's inputs per device; Megatron-LM's "
-            "layouts pinned for the grids (`autopar.megatron_rules`: attention and MLP column/row "
-            "splits, each expert's hidden dim, Wide-ResNet's wide convolution pair), the ILP laying out "
-            "the rest. Both trace one microbatch and reduce gradients once per step; both share the "
-            f"analytic memory model. Microbatch counts: {', '.join(map(str, args.ilp_microbatches))}. "
-            "`pure DP` is the grid (N, 1, 1). `autopar tp=1` is autopar on (n, 1) logical meshes only.",
-            "",
-            "GPT blocks are rematerialised: the backward recomputes each block inside a checkpoint "
-            "call, whose equations the ILP lays out like any others (and the runtime pins inside the "
-            "call). BERT, Wide-ResNet and MoE are not rematerialised.",
-        ]
-    else:
-        method = [
-            "Predicted step seconds of the analytic cost model, not measurements. `B` is the number of "
-            "microbatches; every plan picks its best. `pure DP` is the grid (N, 1, 1). `autopar tp=1` is "
-            "the stage search restricted to (n, 1) logical meshes. Tensor parallelism is priced as "
-            "Megatron's on both sides (`--costs ilp` prices autopar with its own sharding search).",
-            "",
-            "The cost model charges every collective of a stage whose submesh spans hosts (data- and "
-            "tensor-parallel alike) at the inter-host link, which on the V100 preset is slow (25 Gbit/s "
-            "per 8 GPUs). A grid whose stages are wider than one host therefore pays inter-host "
-            "all-reduces that Megatron-LM would keep inside a host for its tensor-parallel axis; the "
-            "largest ratios below (wide stages forced by memory) come mostly from that.",
-        ]
-    notes = [
-        *method,
-        "",
-        "`grid / autopar` >= 1 means autopar's plan is at least as fast as the best uniform "
-        "(dp, tp, pp) grid. `bound s` is a lower bound on every plan's step under the same costs: "
-        + (
-            "one device's forward and backward of every layer (the ILP on a 1x1 mesh) times the "
-            "microbatches over N, since no layout gives an equation on n devices less than 1/n of its "
-            "one-device cost"
-            if args.costs == "ilp"
-            else "the step's FLOPs over N devices' peak"
-        )
-        + " (perfect scaling, free communication, no bubble). `grid / bound` is therefore the most any "
-        "plan could gain over the best grid: a target above it cannot be reached in that cell. "
-        "`OOM grids` counts the grids that fit no microbatch count. Stage lists "
-        "give each stage's logical mesh. Grids split the clustered layers equally, so `pp` is at "
-        "most the number of layers.",
-        "",
-        *[f"- {line}." for line in summary],
-        "",
-        "Grids that fit no microbatch count (dp x tp x pp):",
-        "",
-        *[
-            f"- {c['model']} on {c['devices']}x{c['preset'].upper()}: "
-            + (", ".join(cell_summary(c)["infeasible"]) or "none")
-            for c in cells
-        ],
-        "",
-        f"Every grid and plan is in the JSON file next to this one. Run time {elapsed:.0f} s"
-        + (f"; {reused} of {len(cells)} cells were read back from the journal." if reused else "."),
-    ]
+    notes = results_notes(
+        cells,
+        costs=args.costs,
+        ilp_microbatches=args.ilp_microbatches,
+        summary=summary,
+        elapsed=elapsed,
+        reused=reused,
+    )
     config = {
         "pairs": "; ".join(f"{m} on {n}x{p.upper()}" for m, p, n in jobs),
         "model sizes": {

@@ -29,7 +29,10 @@ def _run(script: str, *args: str) -> list[str]:
 
 @pytest.mark.parametrize("costs", ["analytic", "ilp"])
 def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, costs):
-    lines = _run("plan_quality.py", "--smoke", "--costs", costs, "--out-dir", str(tmp_path))
+    journal = tmp_path / "journal.jsonl"
+    lines = _run(
+        "plan_quality.py", "--smoke", "--costs", costs, "--out-dir", str(tmp_path), "--journal", str(journal)
+    )
     match = re.fullmatch(r"min_ratio_vs_best_grid=(\S+)", lines[-1])
     assert match, lines[-1]
     # Every grid is a plan the stage search considers, so autopar is never slower.
@@ -43,6 +46,20 @@ def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, cos
     # The bound is below every plan: autopar's and each grid's that fits.
     seconds = [cell["autopar"]["seconds"], *(g["seconds"] for g in cell["grids"].values() if g)]
     assert 0 < cell["bound"] <= min(seconds)
+    # A journaled cell without a bound (planned before cells recorded it) is read back and gets
+    # only its bound computed; the cells recorded since read back as they are.
+    [record] = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert record["cell"] == cell
+    del record["cell"]["bound"]
+    record["cell"]["autopar"]["seconds"] *= 2  # a mark: proves the plan was read back, not redone
+    journal.write_text(json.dumps(record) + "\n")
+    _run(
+        "plan_quality.py", "--smoke", "--costs", costs, "--out-dir", str(tmp_path), "--journal", str(journal)
+    )
+    [again] = json.loads((tmp_path / md.replace(".md", ".json")).read_text())["cells"]
+    assert again["autopar"]["seconds"] == 2 * cell["autopar"]["seconds"]
+    assert again["bound"] == pytest.approx(cell["bound"], rel=1e-12)
+    assert len(journal.read_text().splitlines()) == 2
 
 
 def test_gpu_single_tiny_ends_with_mfu(tmp_path):
