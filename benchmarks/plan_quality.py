@@ -146,13 +146,6 @@ def _faster(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any
     return a
 
 
-def _batch_ids(state, batch) -> tuple[int, ...]:
-    import jax
-
-    num_state = len(jax.tree.leaves(state))
-    return tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
-
-
 def _cluster(preset: str, num_devices: int):
     from autopar._src.cluster import preset as cluster_preset
 
@@ -185,27 +178,14 @@ def step_bound(step, state, batch, spec, batch_size, costs, candidates, dtype, p
 
 def _cell_bound(job: tuple[str, str, int], options: dict[str, Any]) -> float:
     """:func:`step_bound` of a cell planned before cells recorded it (from a journal)."""
-    from autopar._src import planning, profile, trace
-
     model, preset, n = job
     step, state, batch, _, batch_size = abstract_step(model, DTYPES[preset], options["batch_size"])
     spec = _cluster(preset, n)
     if options["costs"] == "ilp":
         candidates = _ilp_candidates(batch_size, options["ilp_microbatches"])
         return step_bound(step, state, batch, spec, batch_size, "ilp", candidates, DTYPES[preset])
-    ids = _batch_ids(state, batch)
-    traced = planning.trace_at(step, (state, batch), ids, batch_size, trace.TraceOptions(num_layers=None))
-    return step_bound(
-        step,
-        state,
-        batch,
-        spec,
-        batch_size,
-        "analytic",
-        (),
-        DTYPES[preset],
-        profile.layer_profile(traced, ids),
-    )
+    prof = _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=1)[1]
+    return step_bound(step, state, batch, spec, batch_size, "analytic", (), DTYPES[preset], prof)
 
 
 def plan_cell(
@@ -225,7 +205,7 @@ def plan_cell(
     """
     import numpy as np
 
-    from autopar._src import baselines, planner, planning, profile, trace
+    from autopar._src import baselines, planner
 
     t0 = time.perf_counter()
     step, state, batch, kind, batch_size = abstract_step(model, DTYPES[preset], batch_size)
@@ -243,11 +223,7 @@ def plan_cell(
             only_dp = dataclasses.replace(free, latency=np.where(data_parallel, free.latency, np.inf))
             priced[b] = {"autopar": free, "autopar_tp1": only_dp, "grids": pinned}
     else:
-        batch_ids = _batch_ids(state, batch)
-        traced = planning.trace_at(
-            step, (state, batch), batch_ids, batch_size, trace.TraceOptions(num_layers=None)
-        )
-        prof = profile.layer_profile(traced, batch_ids)
+        prof = _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=1)[1]
         candidates = planner.microbatch_candidates(batch_size, max_microbatches=max_microbatches)
     trace_seconds = time.perf_counter() - t0
 
