@@ -49,9 +49,9 @@ def priced_meshes(submeshes, logical, devices_per_host: int) -> list[tuple[int, 
     ]
 
 
-def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: int, num_layers=None):
+def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: int):
     """``(traced step, layer profile)`` of one microbatch (``batch_size / num_microbatches`` rows),
-    cut into ``num_layers`` layers (``None``: as many as the clustering chooses)."""
+    cut into as many layers as the clustering chooses."""
     import jax
 
     from autopar._src import planning, profile, trace
@@ -59,9 +59,7 @@ def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: i
     num_state = len(jax.tree.leaves(state))
     batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
     rows = batch_size // num_microbatches
-    traced = planning.trace_at(
-        step, (state, batch), batch_ids, rows, trace.TraceOptions(num_layers=num_layers)
-    )
+    traced = planning.trace_at(step, (state, batch), batch_ids, rows, trace.TraceOptions(num_layers=None))
     return traced, profile.layer_profile(traced, batch_ids)
 
 
@@ -83,9 +81,7 @@ def step_bound(traced, spec, *, num_microbatches: int, dtype: str) -> float:
     return float(one.sum()) * num_microbatches / spec.num_devices
 
 
-def ilp_costs(
-    step, state, batch, spec, *, batch_size: int, num_microbatches: int, dtype: str, num_layers=None
-):
+def ilp_costs(step, state, batch, spec, *, batch_size: int, num_microbatches: int, dtype: str):
     """``(autopar costs, Megatron costs, layer profile)`` of one microbatch count.
 
     ``state`` and ``batch`` are abstract; the batch is cut to ``batch_size / num_microbatches``.
@@ -93,7 +89,7 @@ def ilp_costs(
     from autopar._src import cluster, layer_sharding, planner
 
     traced, prof = trace_microbatch(
-        step, state, batch, batch_size=batch_size, num_microbatches=num_microbatches, num_layers=num_layers
+        step, state, batch, batch_size=batch_size, num_microbatches=num_microbatches
     )
     layouts = megatron_layouts(state, batch)
     submeshes = cluster.submesh_shapes(spec)
