@@ -179,8 +179,8 @@ def results_notes(
         + " (perfect scaling, free communication, no bubble). `grid / bound` is therefore the most any "
         "plan could gain over the best grid: a target above it cannot be reached in that cell. "
         "`OOM grids` counts the grids that fit no microbatch count. Stage lists "
-        "give each stage's logical mesh. Grids split the clustered layers equally, so `pp` is at "
-        "most the number of layers.",
+        "give each stage's logical mesh. Grids split the clustered layers as evenly as they divide "
+        "(the first stages take one more), so `pp` is at most the number of layers.",
         "",
         *[f"- {line}." for line in summary],
         "",
