@@ -82,7 +82,7 @@ def step_bound(traced, spec, *, num_microbatches: int, dtype: str) -> float:
 
 
 def ilp_costs(step, state, batch, spec, *, batch_size: int, num_microbatches: int, dtype: str):
-    """``(autopar costs, Megatron costs, layer profile)`` of one microbatch count.
+    """``(autopar costs, Megatron costs, layer profile, traced step)`` of one microbatch count.
 
     ``state`` and ``batch`` are abstract; the batch is cut to ``batch_size / num_microbatches``.
     """
@@ -107,4 +107,4 @@ def ilp_costs(step, state, batch, spec, *, batch_size: int, num_microbatches: in
     costs = [
         planner.stage_costs(prof, spec, num_microbatches=num_microbatches, sharded=s) for s in (free, pinned)
     ]
-    return costs[0], costs[1], prof
+    return costs[0], costs[1], prof, traced

@@ -157,35 +157,32 @@ def _ilp_candidates(batch_size: int, ilp_microbatches: tuple[int, ...]) -> tuple
     return tuple(b for b in ilp_microbatches if batch_size % b == 0)
 
 
-def step_bound(step, state, batch, spec, batch_size, costs, candidates, dtype, prof=None) -> float:
-    """A lower bound on any plan's step seconds under the cell's costs, the least over the
-    microbatch ``candidates``: with ILP costs :func:`benchmarks._plan_ilp.step_bound`; with
-    analytic ones the step's FLOPs over all devices' peak (every stage's compute term is its
-    FLOPs over its devices' peak). ``prof`` is the analytic mode's profile of the whole batch."""
-    if costs == "ilp":
-        return min(
-            _plan_ilp.step_bound(
-                _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=b)[0],
-                spec,
-                num_microbatches=b,
-                dtype=dtype,
-            )
-            for b in candidates
-        )
+def _flops_bound(prof, spec) -> float:
+    """The analytic costs' lower bound on any plan's step: the step's FLOPs over all devices'
+    peak (every stage's compute term is its FLOPs over its devices' peak)."""
     flops = float((prof.forward_flops + prof.backward_flops).sum())
     return flops / (spec.num_devices * spec.device.flops(prof.dtype))
 
 
 def _cell_bound(job: tuple[str, str, int], options: dict[str, Any]) -> float:
-    """:func:`step_bound` of a cell planned before cells recorded it (from a journal)."""
+    """The bound :func:`plan_cell` records, for a cell planned before cells recorded it (from a
+    journal): the least over the microbatch counts with ILP costs, else :func:`_flops_bound`."""
     model, preset, n = job
     step, state, batch, _, batch_size = abstract_step(model, DTYPES[preset], options["batch_size"])
     spec = _cluster(preset, n)
-    if options["costs"] == "ilp":
-        candidates = _ilp_candidates(batch_size, options["ilp_microbatches"])
-        return step_bound(step, state, batch, spec, batch_size, "ilp", candidates, DTYPES[preset])
-    prof = _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=1)[1]
-    return step_bound(step, state, batch, spec, batch_size, "analytic", (), DTYPES[preset], prof)
+    if options["costs"] == "analytic":
+        return _flops_bound(
+            _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=1)[1], spec
+        )
+    return min(
+        _plan_ilp.step_bound(
+            _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=b)[0],
+            spec,
+            num_microbatches=b,
+            dtype=DTYPES[preset],
+        )
+        for b in _ilp_candidates(batch_size, options["ilp_microbatches"])
+    )
 
 
 def plan_cell(
@@ -212,11 +209,13 @@ def plan_cell(
     spec = _cluster(preset, num_devices)
     if costs == "ilp":
         candidates = _ilp_candidates(batch_size, ilp_microbatches)
-        priced = {}
+        priced, bounds = {}, []
         for b in candidates:
-            free, pinned, prof = _plan_ilp.ilp_costs(
+            free, pinned, prof, traced = _plan_ilp.ilp_costs(
                 step, state, batch, spec, batch_size=batch_size, num_microbatches=b, dtype=DTYPES[preset]
             )
+            # On the microbatch just traced: the bound only adds each layer's (trivial) 1x1 solve.
+            bounds.append(_plan_ilp.step_bound(traced, spec, num_microbatches=b, dtype=DTYPES[preset]))
             data_parallel = np.array(
                 [[s[1] == 1 for s in q] + [False] * (free.latency.shape[3] - len(q)) for q in free.logical]
             )
@@ -224,6 +223,7 @@ def plan_cell(
             priced[b] = {"autopar": free, "autopar_tp1": only_dp, "grids": pinned}
     else:
         prof = _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=1)[1]
+        bounds = [_flops_bound(prof, spec)]
         candidates = planner.microbatch_candidates(batch_size, max_microbatches=max_microbatches)
     trace_seconds = time.perf_counter() - t0
 
@@ -271,7 +271,7 @@ def plan_cell(
         "autopar": found["autopar"],
         "autopar_tp1": found["autopar_tp1"],
         "grids": {grid_name(k): v for k, v in grids.items()},
-        "bound": step_bound(step, state, batch, spec, batch_size, costs, candidates, DTYPES[preset], prof),
+        "bound": min(bounds),
         "trace_seconds": trace_seconds,
         "plan_seconds": plan_seconds,
     }
