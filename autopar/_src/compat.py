@@ -70,6 +70,14 @@ def sub_jaxprs(eqn: Any) -> list[Any]:
     return found
 
 
+def cond_branches(eqn: Any) -> list[tuple[Any, list[Any]]] | None:
+    """A ``cond``'s branches as ``(open jaxpr, constants)`` over its operands (after the index);
+    None for any other equation."""
+    if eqn.primitive.name != "cond":
+        return None
+    return [jaxpr_and_consts(b) for b in eqn.params["branches"]]
+
+
 def call_body(eqn: Any) -> tuple[Any, list[Any]]:
     """The body jaxpr and constants of a nested ``jit`` call equation."""
     body = eqn.params["jaxpr"]

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import clustering, compat, cost
+from autopar._src import clustering, compat, cond_split, cost
 
 BoundaryKind = Literal["fwd", "bwd"]
 
@@ -50,8 +50,13 @@ def is_boundary(eqn: Any) -> bool:
     return eqn.primitive is boundary_p
 
 
-def inline_calls(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
-    """Evaluates ``jaxpr`` with every nested ``jit`` call inlined (use under tracing)."""
+def inline_calls(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, split_conds: bool = False
+) -> list[Any]:
+    """Evaluates ``jaxpr`` with every nested ``jit`` call inlined (use under tracing).
+
+    With ``split_conds`` each ``cond`` is also split into one per independent group of its
+    results (:func:`autopar._src.cond_split.split_cond`)."""
     env: dict[Any, Any] = {}
 
     def read(a: Any) -> Any:
@@ -63,9 +68,11 @@ def inline_calls(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list
         invals = [read(a) for a in eqn.invars]
         if compat.is_call(eqn):
             body, body_consts = compat.call_body(eqn)
-            outs = inline_calls(body, body_consts, invals)
+            outs = inline_calls(body, body_consts, invals, split_conds=split_conds)
         else:
-            outs = compat.bind_eqn(eqn, invals)
+            outs = (cond_split.split_cond(eqn, invals) if split_conds else None) or compat.bind_eqn(
+                eqn, invals
+            )
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not compat.is_dropvar(v):
                 env[v] = x

@@ -277,7 +277,9 @@ def trace_step(fn: Callable[..., Any], args: tuple[Any, ...], options: TraceOpti
     with tracing(options):
         closed = jax.make_jaxpr(flat_fn)(*leaves)
     jaxpr, consts = compat.jaxpr_and_consts(closed)
-    flat = jax.make_jaxpr(lambda c, xs: layers.inline_calls(jaxpr, c, xs))(consts, list(leaves))
+    flat = jax.make_jaxpr(lambda c, xs: layers.inline_calls(jaxpr, c, xs, split_conds=True))(
+        consts, list(leaves)
+    )
     flat_jaxpr, flat_consts = compat.jaxpr_and_consts(flat)
     invars = list(flat_jaxpr.invars)
     n = len(consts)

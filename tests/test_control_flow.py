@@ -1,0 +1,144 @@
+"""Steps with ``cond`` and ``while_loop``: in the model, in the optimizer (``optax.MultiSteps``)
+and in the update, against ``jax.jit``; and how a once-per-step ``cond`` is split per stage."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
+from flax.training import train_state
+
+import autopar
+from autopar._src import compat, cond_split, trace
+from autopar._src.partition import Transfer
+from models import train
+
+
+def _conds(jaxpr):
+    return [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+
+
+def test_independent_results_of_a_cond_become_one_cond_each():
+    def f(pred, a, b):
+        def apply(a, b):
+            s = jnp.float32(2.0) * 3.0  # scalar work, repeated in each group
+            return a * s, jnp.tanh(b) * s
+
+        return jax.lax.cond(pred, apply, lambda a, b: (a, b + 1.0), a, b)
+
+    args = (True, jnp.arange(6.0).reshape(2, 3), jnp.ones((4,)))
+    (eqn,) = _conds(jax.make_jaxpr(f)(*args).jaxpr)
+    assert cond_split.output_groups([b for b, _ in compat.cond_branches(eqn)]) == [[0], [1]]
+    step = trace.trace_step(f, args, trace.TraceOptions(num_layers=None))
+    split = _conds(step.jaxpr)
+    assert len(split) == 2
+    # Each cond reads the index and only its own array.
+    assert [[v.aval.shape for v in e.invars[1:]] for e in split] == [[(2, 3)], [(4,)]]
+    for pred in (True, False):
+        got = jax.core.eval_jaxpr(step.jaxpr, [v for _, v in step.const_bindings], pred, *args[1:])
+        want = f(pred, *args[1:])
+        for x, y in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_results_sharing_array_work_or_effects_keep_one_cond():
+    def shared(pred, a, b):
+        def scale(a, b):  # a global norm reads both arrays: one group
+            n = jnp.sqrt(jnp.sum(a**2) + jnp.sum(b**2))
+            return a / n, b / n
+
+        return jax.lax.cond(pred, scale, lambda a, b: (a, b), a, b)
+
+    def effect(pred, a, b):
+        def show(a, b):
+            jax.debug.print("{}", a.sum())
+            return a, b
+
+        return jax.lax.cond(pred, show, lambda a, b: (a, b), a, b)
+
+    args = (True, jnp.ones((2, 3)), jnp.ones((4,)))
+    for f in (shared, effect):
+        (eqn,) = _conds(jax.make_jaxpr(f)(*args).jaxpr)
+        assert cond_split.split_cond(eqn, [None] * len(eqn.invars)) is None
+        assert len(_conds(trace.trace_step(f, args, trace.TraceOptions(num_layers=None)).jaxpr)) == 1
+
+
+def _transferred_bytes(par, state, batch):
+    program = par.executable(state, batch).program
+    keys = {ins.key for ins in program.instrs if isinstance(ins, Transfer)}
+    return sum(k[0].aval.size * k[0].aval.dtype.itemsize for k in keys)
+
+
+def test_multisteps_accumulation_matches_jit_and_updates_stay_on_their_stages():
+    config = train.tiny_config("gpt")
+    tx = optax.MultiSteps(OPTIMIZERS["adamw"](), every_k_schedule=2)
+    step, state = train.setup("gpt", "linen", config, tx)
+    # Four steps: two accumulate, two apply the accumulated update.
+    batches = [train.make_batch("gpt", config, 16, seed=i) for i in range(4)]
+    options = dict(num_stages=4, num_microbatches=2)
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], **options)
+    program = par.executable(state, batches[0]).program
+    cond_stages = {
+        t.stage for t in program.tasks for op in t.ops if op.kind == "eqn" and op.eqn.primitive.name == "cond"
+    }
+    assert cond_stages == {0, 1, 2, 3}
+    # No parameter or optimizer state travels: no more bytes move between stages than with
+    # the plain optimizer (activations, gradients of shared parameters, scalars).
+    plain_step, plain_state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
+    plain = autopar.autoparallel(plain_step, **options)
+    assert _transferred_bytes(par, state, batches[0]) <= _transferred_bytes(plain, plain_state, batches[0])
+
+
+class _Gated(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        gate = self.param("gate", lambda key: jnp.ones(()))
+        h = jax.lax.cond(gate > 0, jax.nn.gelu, jnp.tanh, nn.Dense(32)(x))
+        h = jax.lax.cond(gate < 0, lambda a: a * gate, lambda a: a - gate, nn.Dense(32)(h))
+        return nn.Dense(10)(nn.relu(nn.Dense(64)(h)))
+
+
+def _mlp_step(post=lambda grads: grads):
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=post(grads)), loss
+
+    return step
+
+
+def _batches(n=3):
+    keys = jax.random.split(jax.random.key(7), n)
+    return [{"x": jax.random.normal(k, (16, 16)), "y": (jnp.arange(16) + i) % 10} for i, k in enumerate(keys)]
+
+
+@pytest.mark.parametrize("sharding", ["data", "auto"])
+def test_cond_in_the_model_matches_jit(sharding):
+    model = _Gated()
+    params = model.init(jax.random.key(1), jnp.ones((16, 16)))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+    options = dict(num_stages=2, num_microbatches=2, sharding=sharding)
+    assert_same_as_jit(_mlp_step(), state, _batches(), TOLERANCES["sgd"], **options)
+
+
+def test_while_loop_in_the_update_matches_jit():
+    def halve_until_small(grads):  # a data-dependent trip count
+        def body(carry):
+            g = jax.tree.map(lambda x: x / 2, carry[0])
+            return g, optax.tree.norm(g)
+
+        return jax.lax.while_loop(lambda c: c[1] > 0.05, body, (grads, optax.tree.norm(grads)))[0]
+
+    model = _Gated()
+    params = model.init(jax.random.key(1), jnp.ones((16, 16)))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.5))
+    step = _mlp_step(halve_until_small)
+    # The loop runs: the first gradient's norm is above the threshold.
+    grads = jax.grad(lambda p: step(state.replace(params=p), _batches(1)[0])[1])(params)
+    assert optax.tree.norm(grads) > 0.1
+    assert_same_as_jit(step, state, _batches(), TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
