@@ -11,7 +11,8 @@ from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 from flax.training import train_state
 
 import autopar
-from autopar._src import compat, cond_split, trace
+from autopar._src import compat, cond_split, strategies, trace
+from autopar._src.layout_costs import MeshSpec
 from autopar._src.partition import Transfer
 from models import train
 
@@ -63,6 +64,37 @@ def test_results_sharing_array_work_or_effects_keep_one_cond():
         (eqn,) = _conds(jax.make_jaxpr(f)(*args).jaxpr)
         assert cond_split.split_cond(eqn, [None] * len(eqn.invars)) is None
         assert len(_conds(trace.trace_step(f, args, trace.TraceOptions(num_layers=None)).jaxpr)) == 1
+
+
+def test_an_elementwise_cond_may_take_any_layout_of_its_operands():
+    mesh = MeshSpec(
+        axis_names=("data", "model"),
+        axis_sizes=(2, 4),
+        bandwidth=(1e11, 2e11),
+        latency=(2e-6, 1e-6),
+        peak_flops=1e12,
+        memory_bandwidth=1e12,
+    )
+
+    def moments(pred, m, g):  # one parameter's share of a MultiSteps-style update
+        def apply(m, g):
+            return 0.9 * m + 0.1 * g, jnp.zeros_like(g)
+
+        return jax.lax.cond(pred, apply, lambda m, g: (m, g + m), m, g)
+
+    def normalised(pred, m, g):
+        return jax.lax.cond(pred, lambda m, g: (m / jnp.sum(m), g), lambda m, g: (m, g), m, g)
+
+    args = (True, jnp.ones((8, 16)), jnp.ones((8, 16)))
+    (eqn,) = _conds(jax.make_jaxpr(moments)(*args).jaxpr)
+    specs = {s.output_specs for s in strategies.eqn_strategies(eqn, mesh)}
+    assert ((None, None), (None, None)) in specs
+    assert (("data", "model"), ("data", "model")) in specs
+    for s in strategies.eqn_strategies(eqn, mesh):  # the index stays whole; operands follow
+        assert s.input_specs[0] == () and s.input_specs[1:] == s.output_specs
+    # A branch that reduces is not elementwise: the cond runs replicated.
+    (eqn,) = _conds(jax.make_jaxpr(normalised)(*args).jaxpr)
+    assert [s.name for s in strategies.eqn_strategies(eqn, mesh)] == ["replicated"]
 
 
 def _transferred_bytes(par, state, batch):
@@ -142,3 +174,20 @@ def test_while_loop_in_the_update_matches_jit():
     grads = jax.grad(lambda p: step(state.replace(params=p), _batches(1)[0])[1])(params)
     assert optax.tree.norm(grads) > 0.1
     assert_same_as_jit(step, state, _batches(), TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
+
+
+def test_multisteps_conds_take_split_layouts_on_one_stage():
+    config = train.tiny_config("gpt")
+    tx = optax.MultiSteps(OPTIMIZERS["adamw"](), every_k_schedule=2)
+    step, state = train.setup("gpt", "linen", config, tx)
+    batches = [train.make_batch("gpt", config, 16, seed=i) for i in range(4)]
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=2)
+    exe = par.executable(state, batches[0])
+    specs = [
+        exe.spec(op.outs[0], t.stage)
+        for t in exe.program.tasks
+        for op in t.ops
+        if op.kind == "eqn" and op.eqn.primitive.name == "cond"
+    ]
+    # The per-parameter updates follow the state's layouts instead of gathering it.
+    assert any(any(axis is not None for axis in spec) for spec in specs)

@@ -379,20 +379,26 @@ def _reduction(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
 
 
 def _elementwise_call(eqn: Any) -> bool:
-    """Whether ``eqn`` calls a body (``custom_jvp`` activations, nested ``jit``) that is elementwise.
+    """Whether ``eqn`` runs bodies (``custom_jvp`` activations, nested ``jit``, ``cond`` branches)
+    that are elementwise.
 
-    Every equation of the body (recursively) is elementwise, and every operand has the output's
-    shape or is a scalar.
+    Every result has one shape, every operand that shape or is a scalar (a ``cond``'s index),
+    and every equation of the bodies (recursively) is elementwise or broadcasts a scalar.
     """
-    bodies = compat.sub_jaxprs(eqn)
-    if not bodies or len(eqn.outvars) != 1:
+    bodies = compat.sub_jaxprs(eqn) or [b for b, _ in compat.cond_branches(eqn) or ()]
+    if not bodies or not eqn.outvars:
         return False
     out_shape = shape_of(eqn.outvars[0])
+    if any(shape_of(v) != out_shape for v in eqn.outvars):
+        return False
     if any(shape_of(v) not in (out_shape, ()) for v in eqn.invars):
         return False
     for body in bodies:
         for inner in body.eqns:
-            if inner.primitive.name not in ELEMENTWISE_PRIMITIVES and not _elementwise_call(inner):
+            scalar_broadcast = inner.primitive.name == "broadcast_in_dim" and shape_of(inner.invars[0]) == ()
+            if not (
+                inner.primitive.name in ELEMENTWISE_PRIMITIVES or scalar_broadcast or _elementwise_call(inner)
+            ):
                 return False
     return True
 
@@ -422,7 +428,7 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         result = _gather(eqn, mesh)
     elif name in ("scatter-add", "scatter_add"):
         result = _scatter_add(eqn, mesh)
-    elif (name in ELEMENTWISE_PRIMITIVES or _elementwise_call(eqn)) and len(eqn.outvars) == 1:
+    elif (name in ELEMENTWISE_PRIMITIVES and len(eqn.outvars) == 1) or _elementwise_call(eqn):
         result = _elementwise(eqn, mesh)
     elif name in REDUCTION_PRIMITIVES and len(eqn.invars) == 1:
         result = _reduction(eqn, mesh)
