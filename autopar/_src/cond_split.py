@@ -55,16 +55,20 @@ def output_groups(branches: Sequence[Any]) -> list[list[int]]:
             k = parent[k]
         return k
 
-    for jaxpr in branches:
-        users: dict[int, int] = {}
-        for k in range(n):
-            for i in _needed(jaxpr, [k])[0]:
-                if not _is_array_work(jaxpr.eqns[i]):
-                    continue
-                if i in users:
-                    parent[find(k)] = find(users[i])
-                else:
-                    users[i] = k
+    for jaxpr in branches:  # one backward pass: which results need each equation
+        needers: dict[Any, set[int]] = {}
+        for k, v in enumerate(jaxpr.outvars):
+            if not compat.is_literal(v):
+                needers.setdefault(v, set()).add(k)
+        for eqn in reversed(jaxpr.eqns):
+            need = set().union(*(needers.get(v, ()) for v in eqn.outvars))
+            if need and _is_array_work(eqn):
+                first = min(need)
+                for k in need:
+                    parent[find(k)] = find(first)
+            for a in eqn.invars:
+                if need and not compat.is_literal(a):
+                    needers.setdefault(a, set()).update(need)
     groups: dict[int, list[int]] = {}
     for k in range(n):
         groups.setdefault(find(k), []).append(k)
