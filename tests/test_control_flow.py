@@ -97,30 +97,30 @@ def test_an_elementwise_cond_may_take_any_layout_of_its_operands():
     assert [s.name for s in strategies.eqn_strategies(eqn, mesh)] == ["replicated"]
 
 
-def _transferred_bytes(par, state, batch):
-    program = par.executable(state, batch).program
-    keys = {ins.key for ins in program.instrs if isinstance(ins, Transfer)}
-    return sum(k[0].aval.size * k[0].aval.dtype.itemsize for k in keys)
-
-
 def test_multisteps_accumulation_matches_jit_and_updates_stay_on_their_stages():
     config = train.tiny_config("gpt")
     tx = optax.MultiSteps(OPTIMIZERS["adamw"](), every_k_schedule=2)
     step, state = train.setup("gpt", "linen", config, tx)
-    # Four steps: two accumulate, two apply the accumulated update.
-    batches = [train.make_batch("gpt", config, 16, seed=i) for i in range(4)]
-    options = dict(num_stages=4, num_microbatches=2)
+    # Three steps: accumulate, apply the accumulated update, accumulate.
+    batches = [train.make_batch("gpt", config, 16, seed=i) for i in range(3)]
+    options = dict(num_stages=2, num_microbatches=2)
     par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], **options)
-    program = par.executable(state, batches[0]).program
-    cond_stages = {
-        t.stage for t in program.tasks for op in t.ops if op.kind == "eqn" and op.eqn.primitive.name == "cond"
+    exe = par.executable(state, batches[0])
+    cond_ops = [
+        (t.stage, op)
+        for t in exe.program.tasks
+        for op in t.ops
+        if op.kind == "eqn" and op.eqn.primitive.name == "cond"
+    ]
+    assert {stage for stage, _ in cond_ops} == {0, 1}
+    # The per-parameter updates follow the state's layouts instead of gathering it ...
+    assert any(any(axis is not None for axis in exe.spec(op.outs[0], stage)) for stage, op in cond_ops)
+    # ... and no array they read or write moves between stages.
+    moved = {ins.key for ins in exe.program.instrs if isinstance(ins, Transfer)}
+    arrays = {
+        k for _, op in cond_ops for k in (*op.ins, *op.outs) if isinstance(k, tuple) and k[0].aval.shape
     }
-    assert cond_stages == {0, 1, 2, 3}
-    # No parameter or optimizer state travels: no more bytes move between stages than with
-    # the plain optimizer (activations, gradients of shared parameters, scalars).
-    plain_step, plain_state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
-    plain = autopar.autoparallel(plain_step, **options)
-    assert _transferred_bytes(par, state, batches[0]) <= _transferred_bytes(plain, plain_state, batches[0])
+    assert arrays and not arrays & moved
 
 
 class _Gated(nn.Module):
@@ -174,20 +174,3 @@ def test_while_loop_in_the_update_matches_jit():
     grads = jax.grad(lambda p: step(state.replace(params=p), _batches(1)[0])[1])(params)
     assert optax.tree.norm(grads) > 0.1
     assert_same_as_jit(step, state, _batches(), TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
-
-
-def test_multisteps_conds_take_split_layouts_on_one_stage():
-    config = train.tiny_config("gpt")
-    tx = optax.MultiSteps(OPTIMIZERS["adamw"](), every_k_schedule=2)
-    step, state = train.setup("gpt", "linen", config, tx)
-    batches = [train.make_batch("gpt", config, 16, seed=i) for i in range(4)]
-    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=2)
-    exe = par.executable(state, batches[0])
-    specs = [
-        exe.spec(op.outs[0], t.stage)
-        for t in exe.program.tasks
-        for op in t.ops
-        if op.kind == "eqn" and op.eqn.primitive.name == "cond"
-    ]
-    # The per-parameter updates follow the state's layouts instead of gathering it.
-    assert any(any(axis is not None for axis in spec) for spec in specs)
