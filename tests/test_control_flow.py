@@ -14,6 +14,7 @@ import autopar
 from autopar._src import compat, cond_split, strategies, trace
 from autopar._src.layout_costs import MeshSpec
 from autopar._src.partition import Transfer
+from autopar._src.strategy_graph import GraphOp, Inner, Tie, expand_calls
 from models import train
 
 
@@ -130,6 +131,46 @@ class _Gated(nn.Module):
         h = jax.lax.cond(gate > 0, jax.nn.gelu, jnp.tanh, nn.Dense(32)(x))
         h = jax.lax.cond(gate < 0, lambda a: a * gate, lambda a: a - gate, nn.Dense(32)(h))
         return nn.Dense(10)(nn.relu(nn.Dense(64)(h)))
+
+
+class _Branchy(nn.Module):  # a cond whose branches hold matmuls
+    @nn.compact
+    def __call__(self, x):
+        gate = self.param("gate", lambda key: jnp.ones(()))
+        w = self.param("w", nn.initializers.lecun_normal(), (32, 64))
+        v = self.param("v", nn.initializers.lecun_normal(), (32, 64))
+        h = nn.Dense(32)(x)
+        h = jax.lax.cond(gate > 0, lambda a: jax.nn.gelu(a @ w), lambda a: jnp.tanh(a @ v), h)
+        return nn.Dense(10)(h)
+
+
+def test_cond_branches_expand_into_their_equations_tied_to_the_results():
+    def f(pred, a, w):
+        return jax.lax.cond(pred, lambda a, w: jnp.tanh(a @ w), lambda a, w: (a * 2.0) @ w, a, w)
+
+    (eqn,) = _conds(jax.make_jaxpr(f)(True, jnp.ones((8, 4)), jnp.ones((4, 6))).jaxpr)
+    alias, ties = {}, []
+    ops = expand_calls(GraphOp(eqn, ("p", "a", "w"), ("out",)), alias, ties)
+    branches = [b for b, _ in compat.cond_branches(eqn)]
+    assert [op.eqn for op in ops] == [e for b in branches for e in b.eqns]
+    assert {n for op in ops for n in op.ins if n in ("a", "w")} == {"a", "w"}  # the operands, not the index
+    assert alias["out"] == ops[1].outs[0] and ties == [
+        Tie(out=ops[-1].outs[0], into=ops[1].outs[0], weight=1)
+    ]
+
+
+def test_cond_branches_are_laid_out_inside_and_match_jit():
+    model = _Branchy()
+    params = model.init(jax.random.key(1), jnp.ones((16, 16)))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+    options = dict(num_stages=1, num_microbatches=2, mesh_shape=(2, 4))
+    par = assert_same_as_jit(_mlp_step(), state, _batches(), TOLERANCES["sgd"], **options)
+    inside = [
+        spec
+        for k, spec in par.executable(state, _batches(1)[0]).shardings[0].specs.items()
+        if isinstance(k, Inner)
+    ]
+    assert any(axis is not None for spec in inside for axis in spec)
 
 
 def _mlp_step(post=lambda grads: grads):

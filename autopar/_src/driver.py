@@ -14,6 +14,7 @@ Dispatch never waits on a device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,7 +28,7 @@ from autopar._src import compat, cost, transfers
 from autopar._src.intra_op import StageSharding
 from autopar._src.partition import Key, Op, Program, Run, Task
 from autopar._src.plan import Plan
-from autopar._src.strategy_graph import Inner
+from autopar._src.strategy_graph import Inner, expandable_branches
 from autopar._src.trace import TracedStep
 
 DATA_AXIS = "data"
@@ -66,29 +67,36 @@ def _acc(op: Op, vals: list[Any]) -> Any:
 def bind_pinned(
     eqn: Any, vals: list[Any], inner: dict[Inner, NamedSharding], path: tuple[int, ...] = ()
 ) -> list[Any]:
-    """Applies ``eqn`` to ``vals``. A nested call or loop runs its body with the values the ILP
-    laid out inside it pinned (``inner``, see :func:`~autopar._src.strategy_graph.expand_calls`):
-    a ``jit`` body inline; a rematerialised or ``scan`` body re-traced into the same equation."""
+    """Applies ``eqn`` to ``vals``. A nested call, loop or ``cond`` runs its bodies with the
+    values the ILP laid out inside them pinned (``inner``, see
+    :func:`~autopar._src.strategy_graph.expand_calls`): a ``jit`` body inline; a rematerialised
+    or ``scan`` body re-traced into the same equation; ``cond`` branches re-traced by
+    ``lax.switch``."""
+    here = (*path, id(eqn))
+    branches = expandable_branches(eqn) if inner else None
+    if branches is not None:
+        fns = [functools.partial(_run_pinned, body, inner, (*here, b)) for b, body in enumerate(branches)]
+        return list(jax.lax.switch(vals[0], fns, *vals[1:]))
     body = compat.inlinable_body(eqn) if inner else None
     if body is None:
         return compat.bind_eqn(eqn, vals)
-    here = (*path, id(eqn))
-
-    def run(*xs: Any) -> list[Any]:
-        env = dict(zip(body.invars, xs, strict=True))
-
-        def read(a: Any) -> Any:
-            return compat.literal_value(a) if compat.is_literal(a) else env[a]
-
-        for e in body.eqns:
-            outs = bind_pinned(e, [read(a) for a in e.invars], inner, here)
-            for v, x in zip(e.outvars, outs, strict=True):
-                if not compat.is_dropvar(v):
-                    pin = inner.get(Inner(here, v))
-                    env[v] = x if pin is None else jax.lax.with_sharding_constraint(x, pin)
-        return [read(a) for a in body.outvars]
-
+    run = functools.partial(_run_pinned, body, inner, here)
     return run(*vals) if compat.is_call(eqn) else compat.bind_with_body(eqn, body, run, vals)
+
+
+def _run_pinned(body: Any, inner: dict[Inner, NamedSharding], here: tuple[int, ...], *xs: Any) -> list[Any]:
+    env = dict(zip(body.invars, xs, strict=True))
+
+    def read(a: Any) -> Any:
+        return compat.literal_value(a) if compat.is_literal(a) else env[a]
+
+    for e in body.eqns:
+        outs = bind_pinned(e, [read(a) for a in e.invars], inner, here)
+        for v, x in zip(e.outvars, outs, strict=True):
+            if not compat.is_dropvar(v):
+                pin = inner.get(Inner(here, v))
+                env[v] = x if pin is None else jax.lax.with_sharding_constraint(x, pin)
+    return [read(a) for a in body.outvars]
 
 
 def _task_fn(

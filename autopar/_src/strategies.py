@@ -378,7 +378,7 @@ def _reduction(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     return tuple(result)
 
 
-def _elementwise_call(eqn: Any) -> bool:
+def elementwise_call(eqn: Any) -> bool:
     """Whether ``eqn`` runs bodies (``custom_jvp`` activations, nested ``jit``, ``cond`` branches)
     that are elementwise.
 
@@ -397,7 +397,7 @@ def _elementwise_call(eqn: Any) -> bool:
         for inner in body.eqns:
             scalar_broadcast = inner.primitive.name == "broadcast_in_dim" and shape_of(inner.invars[0]) == ()
             if not (
-                inner.primitive.name in ELEMENTWISE_PRIMITIVES or scalar_broadcast or _elementwise_call(inner)
+                inner.primitive.name in ELEMENTWISE_PRIMITIVES or scalar_broadcast or elementwise_call(inner)
             ):
                 return False
     return True
@@ -428,7 +428,7 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         result = _gather(eqn, mesh)
     elif name in ("scatter-add", "scatter_add"):
         result = _scatter_add(eqn, mesh)
-    elif (name in ELEMENTWISE_PRIMITIVES and len(eqn.outvars) == 1) or _elementwise_call(eqn):
+    elif (name in ELEMENTWISE_PRIMITIVES and len(eqn.outvars) == 1) or elementwise_call(eqn):
         result = _elementwise(eqn, mesh)
     elif name in REDUCTION_PRIMITIVES and len(eqn.invars) == 1:
         result = _reduction(eqn, mesh)
