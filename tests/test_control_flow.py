@@ -214,4 +214,30 @@ def test_while_loop_in_the_update_matches_jit():
     # The loop runs: the first gradient's norm is above the threshold.
     grads = jax.grad(lambda p: step(state.replace(params=p), _batches(1)[0])[1])(params)
     assert optax.tree.norm(grads) > 0.1
-    assert_same_as_jit(step, state, _batches(), TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
+    par = assert_same_as_jit(step, state, _batches(), TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
+    # The loop body is laid out inside: the ILP chose a layout for each of its values (here
+    # all replicated, as the data-parallel stages hold the gradients whole) and the driver
+    # pinned them in the re-traced body.
+    exe = par.executable(state, _batches(1)[0])
+    [(stage, loop)] = {
+        (t.stage, op.eqn)
+        for t in exe.program.tasks
+        for op in t.ops
+        if op.kind == "eqn" and op.eqn.primitive.name == "while"
+    }
+    chosen = exe.shardings[stage]
+    inside = [k for k in chosen.specs if isinstance(k, Inner) and id(loop) in k.path]
+    assert inside and all(k in chosen.pinned for k in inside)
+
+
+def test_while_body_expands_into_its_equations_with_carries_tied():
+    def f(a, w):
+        return jax.lax.while_loop(lambda c: c[1] < 3, lambda c: (jnp.tanh(c[0] @ w), c[1] + 1), (a, 0))
+
+    (eqn,) = jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((4, 4))).jaxpr.eqns
+    alias, ties = {}, []
+    body, skip = compat.while_body(eqn)
+    assert skip == 0  # no predicate constants: the operands are the body's (w) and the carries
+    ops = expand_calls(GraphOp(eqn, ("w", "a", "i"), ("out", "n")), alias, ties)
+    assert [op.eqn for op in ops] == list(body.eqns)
+    assert {t.into for t in ties} == {"a", "i"} and alias["out"] == ops[1].outs[0]

@@ -175,18 +175,32 @@ def scan_loop(eqn: Any) -> Loop | None:
     return Loop(body, num_consts, num_carry, length)
 
 
+def while_body(eqn: Any) -> tuple[Any, int] | None:
+    """A ``while``'s body (an open jaxpr over its body constants and carries, returning the
+    carries) and how many predicate constants come first among its operands; None for any
+    other equation and for a body with constants."""
+    if eqn.primitive.name != "while":
+        return None
+    body, consts = jaxpr_and_consts(eqn.params["body_jaxpr"])
+    skip = eqn.params["cond_nconsts"]
+    if consts or body.constvars or len(body.invars) != len(eqn.invars) - skip:
+        return None
+    return body, skip
+
+
 def bind_with_body(eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals: Sequence[Any]) -> list[Any]:
-    """Binds ``eqn`` (a rematerialised call or a ``scan``) on ``invals`` with its body ``body``
+    """Binds ``eqn`` (a rematerialised call, a ``scan`` or a ``while``) on ``invals`` with its body ``body``
     replaced by the trace of ``fn`` (same operands and results), keeping every other param: a
     checkpoint's policy and barrier against CSE, a scan's length, direction and unrolling."""
     closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*(v.aval for v in body.invars))
     new, consts = jaxpr_and_consts(closed)
     if consts:
         raise RuntimeError(f"a {eqn.primitive.name} body traced to {len(consts)} constants; expected none")
-    old = eqn.params["jaxpr"]
+    key = "body_jaxpr" if eqn.primitive.name == "while" else "jaxpr"
+    old = eqn.params[key]
     if getattr(old, "jaxpr", None) is not None and old.jaxpr is not old:  # a ClosedJaxpr (jax 0.10)
         new = jcore.ClosedJaxpr(new, [])
-    return list(eqn.primitive.bind(*invals, **dict(eqn.params, jaxpr=new)))
+    return list(eqn.primitive.bind(*invals, **{**eqn.params, key: new}))
 
 
 def source_line(eqn: Any) -> str:

@@ -70,13 +70,17 @@ def bind_pinned(
     """Applies ``eqn`` to ``vals``. A nested call, loop or ``cond`` runs its bodies with the
     values the ILP laid out inside them pinned (``inner``, see
     :func:`~autopar._src.strategy_graph.expand_calls`): a ``jit`` body inline; a rematerialised
-    or ``scan`` body re-traced into the same equation; ``cond`` branches re-traced by
+    ``scan`` or ``while`` body re-traced into the same equation; ``cond`` branches re-traced by
     ``lax.switch``."""
     here = (*path, id(eqn))
     branches = expandable_branches(eqn) if inner else None
     if branches is not None:
         fns = [functools.partial(_run_pinned, body, inner, (*here, b)) for b, body in enumerate(branches)]
         return list(jax.lax.switch(vals[0], fns, *vals[1:]))
+    while_loop = compat.while_body(eqn) if inner else None
+    if while_loop is not None:
+        body = while_loop[0]
+        return compat.bind_with_body(eqn, body, functools.partial(_run_pinned, body, inner, here), vals)
     body = compat.inlinable_body(eqn) if inner else None
     if body is None:
         return compat.bind_eqn(eqn, vals)

@@ -107,14 +107,18 @@ def expand_calls(
     ``ties``) to the carry it starts from, so that the loop keeps one layout. Every branch of a
     ``cond`` counts as often as the ``cond`` runs (its values are named under
     ``path + (id(op.eqn), branch)``); the results are the first branch's, and the other
-    branches' results are tied to them. A ``cond`` whose branches are elementwise stays one op
-    (its strategies follow its operands). The driver pins the values inside (see
-    :func:`autopar._src.driver.bind_pinned`). A body that returns a literal, or an input that is
-    one, stays a single op.
+    branches' results are tied to them. A ``while``'s body counts once (its trip count is not
+    known), its carries tied like a ``scan``'s; its predicate is not laid out. A ``cond`` whose
+    branches are elementwise stays one op (its strategies follow its operands). The driver pins
+    the values inside (see :func:`autopar._src.driver.bind_pinned`). A body that returns a
+    literal, or an input that is one, stays a single op.
     """
     branches = expandable_branches(op.eqn)
     if branches is not None:
         return _expand_cond(op, branches, alias, ties, path)
+    while_loop = compat.while_body(op.eqn)
+    if while_loop is not None:
+        return _expand_while(op, *while_loop, alias, ties, path)
     loop = compat.scan_loop(op.eqn)
     body = loop.body if loop is not None else compat.inlinable_body(op.eqn)
     if body is None or _literal_results(body, op):
@@ -188,6 +192,28 @@ def _inline(
         ops.extend(expand_calls(GraphOp(e, tuple(map(name, e.invars)), outs, weight), alias, ties, here))
         env.update((v, n) for v, n in zip(e.outvars, outs, strict=True) if n is not None)
     return [name(v) for v in jaxpr.outvars]
+
+
+def _expand_while(
+    op: GraphOp,
+    body: Any,
+    skip: int,
+    alias: dict[Any, Any],
+    ties: list[Tie] | None,
+    path: tuple[int, ...],
+) -> list[GraphOp]:
+    body_ins = op.ins[skip:]
+    if _literal_results(body, GraphOp(op.eqn, body_ins, op.outs)):
+        return [op]
+    ops: list[GraphOp] = []
+    results = _inline(body, body_ins, {}, (*path, id(op.eqn)), op.weight, alias, ties, ops)
+    carries = body_ins[len(body_ins) - len(results) :]
+    for out, res, start in zip(op.outs, results, carries, strict=True):
+        if ties is not None and start is not None and res != start:
+            ties.append(Tie(out=res, into=start, weight=op.weight))
+        if out is not None and res != out:
+            alias[out] = res
+    return ops
 
 
 def _expand_cond(
