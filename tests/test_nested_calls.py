@@ -6,7 +6,8 @@ import numpy as np
 from test_intra_op import _collectives, _dots, _gpt_on_one_stage, _hlo
 
 from autopar._src import compat, intra_op
-from autopar._src.strategy_graph import GraphOp, Inner, Tie, expand_calls
+from autopar._src.expansion import expand_calls
+from autopar._src.strategy_graph import GraphOp, Inner, Tie
 
 
 def _eqns(closed):

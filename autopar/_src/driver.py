@@ -25,10 +25,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar._src import compat, cost, transfers
+from autopar._src.expansion import expandable_branches
 from autopar._src.intra_op import StageSharding
 from autopar._src.partition import Key, Op, Program, Run, Task
 from autopar._src.plan import Plan
-from autopar._src.strategy_graph import Inner, expandable_branches
+from autopar._src.strategy_graph import Inner
 from autopar._src.trace import TracedStep
 
 DATA_AXIS = "data"
@@ -69,7 +70,7 @@ def bind_pinned(
 ) -> list[Any]:
     """Applies ``eqn`` to ``vals``. A nested call, loop or ``cond`` runs its bodies with the
     values the ILP laid out inside them pinned (``inner``, see
-    :func:`~autopar._src.strategy_graph.expand_calls`): a ``jit`` body inline; a rematerialised
+    :func:`~autopar._src.expansion.expand_calls`): a ``jit`` body inline; a rematerialised
     ``scan`` or ``while`` body re-traced into the same equation; ``cond`` branches re-traced by
     ``lax.switch``."""
     here = (*path, id(eqn))

@@ -30,11 +30,12 @@ import numpy as np
 from autopar._src import cluster as cluster_mod
 from autopar._src import compat, layers, partition
 from autopar._src.collectives import Spec
+from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
 from autopar._src.intra_op import alias_root, inputs_memory_only, logical_mesh
 from autopar._src.layout_costs import MeshSpec, divides, shape_of
 from autopar._src.sharding_ilp import Edge, Node, total_memory
-from autopar._src.strategy_graph import GraphOp, Tie, expand_calls, graph_of
+from autopar._src.strategy_graph import GraphOp, Tie, graph_of
 from autopar._src.trace import TracedStep
 
 AXES = ("data", "model")
@@ -68,7 +69,7 @@ class LayerProblems:
         self.ops = ops
         """Per layer, its forward and backward equations (boundary markers are identities)."""
         self.ties = ties
-        """Per layer, its loops' carries (see :func:`~autopar._src.strategy_graph.expand_calls`)."""
+        """Per layer, its loops' carries (see :func:`~autopar._src.expansion.expand_calls`)."""
         region_inputs = [*rj.constvars, *rj.invars]
         diff = region_inputs[len(region_inputs) - info.num_grads :]
         grads = [name(v) for v in rj.outvars[len(rj.outvars) - info.num_grads :]]
