@@ -40,7 +40,7 @@ def test_independent_results_of_a_cond_become_one_cond_each():
     # Each cond reads the index and only its own array.
     assert [[v.aval.shape for v in e.invars[1:]] for e in split] == [[(2, 3)], [(4,)]]
     for pred in (True, False):
-        got = jax.core.eval_jaxpr(step.jaxpr, [v for _, v in step.const_bindings], pred, *args[1:])
+        got = compat.eval_jaxpr(step.jaxpr, [v for _, v in step.const_bindings], pred, *args[1:])
         want = f(pred, *args[1:])
         for x, y in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
