@@ -31,16 +31,21 @@ def _is_array_work(eqn: Any) -> bool:
     return any(not compat.is_literal(a) and getattr(a.aval, "shape", ()) != () for a in atoms)
 
 
-def _needed(jaxpr: Any, outputs: Sequence[int]) -> tuple[list[int], set[Any]]:
-    """Indices of the equations ``jaxpr``'s results ``outputs`` depend on, and the vars they read."""
-    wanted = {v for k in outputs if not compat.is_literal(v := jaxpr.outvars[k])}
-    kept = []
+def _needers(jaxpr: Any, label: Sequence[int]) -> tuple[list[set[int]], dict[Any, set[int]]]:
+    """One backward pass over ``jaxpr``: for each equation, and for each var read, the labels
+    (``label[k]`` for result ``k``) of the results that need it."""
+    needers: dict[Any, set[int]] = {}
+    for k, v in enumerate(jaxpr.outvars):
+        if not compat.is_literal(v):
+            needers.setdefault(v, set()).add(label[k])
+    per_eqn: list[set[int]] = [set() for _ in jaxpr.eqns]
     for i in range(len(jaxpr.eqns) - 1, -1, -1):
         eqn = jaxpr.eqns[i]
-        if any(v in wanted for v in eqn.outvars):
-            kept.append(i)
-            wanted.update(a for a in eqn.invars if not compat.is_literal(a))
-    return kept[::-1], wanted
+        per_eqn[i] = need = set().union(*(needers.get(v, ()) for v in eqn.outvars))
+        for a in eqn.invars:
+            if need and not compat.is_literal(a):
+                needers.setdefault(a, set()).update(need)
+    return per_eqn, needers
 
 
 def output_groups(branches: Sequence[Any]) -> list[list[int]]:
@@ -55,20 +60,13 @@ def output_groups(branches: Sequence[Any]) -> list[list[int]]:
             k = parent[k]
         return k
 
-    for jaxpr in branches:  # one backward pass: which results need each equation
-        needers: dict[Any, set[int]] = {}
-        for k, v in enumerate(jaxpr.outvars):
-            if not compat.is_literal(v):
-                needers.setdefault(v, set()).add(k)
-        for eqn in reversed(jaxpr.eqns):
-            need = set().union(*(needers.get(v, ()) for v in eqn.outvars))
+    for jaxpr in branches:
+        per_eqn, _ = _needers(jaxpr, range(n))
+        for eqn, need in zip(jaxpr.eqns, per_eqn, strict=True):
             if need and _is_array_work(eqn):
                 first = min(need)
                 for k in need:
                     parent[find(k)] = find(first)
-            for a in eqn.invars:
-                if need and not compat.is_literal(a):
-                    needers.setdefault(a, set()).update(need)
     groups: dict[int, list[int]] = {}
     for k in range(n):
         groups.setdefault(find(k), []).append(k)
@@ -122,22 +120,29 @@ def split_cond(eqn: Any, invals: Sequence[Any]) -> list[Any] | None:
     if len(groups) < 2:
         return None
     index, operands = invals[0], invals[1:]
+    label = [0] * len(eqn.outvars)  # result -> its group
+    for g, group in enumerate(groups):
+        for k in group:
+            label[k] = g
+    kept: list[list[list[int]]] = []  # [branch][group] -> equation indices, in order
+    used: list[set[int]] = [set() for _ in groups]  # [group] -> operand positions read
+    for jaxpr in jaxprs:
+        per_eqn, needers = _needers(jaxpr, label)
+        kept.append([[] for _ in groups])
+        for i, need in enumerate(per_eqn):
+            for g in need:
+                kept[-1][g].append(i)
+        for p, v in enumerate(jaxpr.invars):
+            for g in needers.get(v, ()):
+                used[g].add(p)
     results: list[Any] = [None] * len(eqn.outvars)
-    for group in groups:
-        parts = [_needed(jaxpr, group) for jaxpr in jaxprs]
-        used = sorted(
-            {
-                p
-                for jaxpr, (_, read) in zip(jaxprs, parts, strict=True)
-                for p, v in enumerate(jaxpr.invars)
-                if v in read
-            }
-        )
+    for g, group in enumerate(groups):
+        reads = sorted(used[g])
         fns = [
-            functools.partial(_run_part, jaxpr, consts, kept, used, group)
-            for (jaxpr, consts), (kept, _) in zip(branches, parts, strict=True)
+            functools.partial(_run_part, jaxpr, consts, kept[b][g], reads, group)
+            for b, (jaxpr, consts) in enumerate(branches)
         ]
-        outs = jax.lax.switch(index, fns, *[operands[p] for p in used])
+        outs = jax.lax.switch(index, fns, *[operands[p] for p in reads])
         for k, x in zip(group, outs, strict=True):
             results[k] = x
     return results

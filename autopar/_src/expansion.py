@@ -62,7 +62,7 @@ def expand_calls(
         return _expand_while(op, *while_loop, alias, ties, path)
     loop = compat.scan_loop(op.eqn)
     body = loop.body if loop is not None else compat.inlinable_body(op.eqn)
-    if body is None or _literal_results(body, op):
+    if body is None or _literal_results(body, op.ins, op.outs):
         return [op]
     here = (*path, id(op.eqn))
     weight = op.weight * (loop.length if loop is not None else 1)
@@ -104,11 +104,11 @@ def expandable_branches(eqn: Any) -> list[Any] | None:
     return None if elementwise_call(eqn) else [body for body, _ in branches]
 
 
-def _literal_results(body: Any, op: GraphOp) -> bool:
+def _literal_results(body: Any, ins: Sequence[Any], outs: Sequence[Any]) -> bool:
+    """Whether a used result of ``body`` (reading ``ins``) is a literal or a literal input."""
     return any(
-        out is not None
-        and (compat.is_literal(v) or (v in body.invars and op.ins[body.invars.index(v)] is None))
-        for out, v in zip(op.outs, body.outvars, strict=True)
+        out is not None and (compat.is_literal(v) or (v in body.invars and ins[body.invars.index(v)] is None))
+        for out, v in zip(outs, body.outvars, strict=True)
     )
 
 
@@ -144,7 +144,7 @@ def _expand_while(
     path: tuple[int, ...],
 ) -> list[GraphOp]:
     body_ins = op.ins[skip:]
-    if _literal_results(body, GraphOp(op.eqn, body_ins, op.outs)):
+    if _literal_results(body, body_ins, op.outs):
         return [op]
     ops: list[GraphOp] = []
     results = _inline(body, body_ins, {}, (*path, id(op.eqn)), op.weight, alias, ties, ops)
@@ -160,7 +160,7 @@ def _expand_while(
 def _expand_cond(
     op: GraphOp, branches: Sequence[Any], alias: dict[Any, Any], ties: list[Tie] | None, path: tuple[int, ...]
 ) -> list[GraphOp]:
-    if any(_literal_results(body, GraphOp(op.eqn, op.ins[1:], op.outs)) for body in branches):
+    if any(_literal_results(body, op.ins[1:], op.outs) for body in branches):
         return [op]
     ops: list[GraphOp] = []
     results = [

@@ -96,7 +96,8 @@ def graph_of(
     value to the input it becomes at the next step (the new parameters to the parameters):
     an edge between their nodes prices resharding one into the other once per step.
     ``fixed`` gives some inputs their only layout (trailing dims may be left out). Each of
-    ``ties`` (loop carries, from :func:`autopar._src.expansion.expand_calls`) adds such an edge with its weight.
+    ``ties`` (loop carries, from :func:`autopar._src.expansion.expand_calls`) adds such an
+    edge with its weight.
 
     Raises:
       ValueError: if a ``fixed`` layout is not one the input can take on ``mesh``.
