@@ -49,9 +49,9 @@ def priced_meshes(submeshes, logical, devices_per_host: int) -> list[tuple[int, 
     ]
 
 
-def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: int):
+def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: int, num_layers=None):
     """``(traced step, layer profile)`` of one microbatch (``batch_size / num_microbatches`` rows),
-    cut into as many layers as the clustering chooses."""
+    cut into ``num_layers`` layers (None: as many as the first automatic clustering chooses)."""
     import jax
 
     from autopar._src import planning, profile, trace
@@ -59,7 +59,9 @@ def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: i
     num_state = len(jax.tree.leaves(state))
     batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
     rows = batch_size // num_microbatches
-    traced = planning.trace_at(step, (state, batch), batch_ids, rows, trace.TraceOptions(num_layers=None))
+    traced = planning.trace_at(
+        step, (state, batch), batch_ids, rows, trace.TraceOptions(num_layers=num_layers)
+    )
     return traced, profile.layer_profile(traced, batch_ids)
 
 
@@ -81,7 +83,9 @@ def step_bound(traced, spec, *, num_microbatches: int, dtype: str) -> float:
     return float(one.sum()) * num_microbatches / spec.num_devices
 
 
-def ilp_costs(step, state, batch, spec, *, batch_size: int, num_microbatches: int, dtype: str):
+def ilp_costs(
+    step, state, batch, spec, *, batch_size: int, num_microbatches: int, dtype: str, num_layers=None
+):
     """``(autopar costs, Megatron costs, layer profile, traced step)`` of one microbatch count.
 
     ``state`` and ``batch`` are abstract; the batch is cut to ``batch_size / num_microbatches``.
@@ -89,7 +93,7 @@ def ilp_costs(step, state, batch, spec, *, batch_size: int, num_microbatches: in
     from autopar._src import cluster, layer_sharding, planner
 
     traced, prof = trace_microbatch(
-        step, state, batch, batch_size=batch_size, num_microbatches=num_microbatches
+        step, state, batch, batch_size=batch_size, num_microbatches=num_microbatches, num_layers=num_layers
     )
     layouts = megatron_layouts(state, batch)
     submeshes = cluster.submesh_shapes(spec)

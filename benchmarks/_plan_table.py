@@ -46,6 +46,37 @@ def cell_summary(cell: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def faster(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The faster of two plans (None: does not fit); ties keep ``a``."""
+    if a is None or (b is not None and b["seconds"] < a["seconds"]):
+        return b
+    return a
+
+
+def combine(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell of one (model, cluster) from its cells on several clusterings: autopar's plans and
+    each grid are the fastest over the clusterings, as autopar's planner and a user trying each
+    would find; the bound is the least (each holds for plans on its clustering)."""
+    first = cells[0]
+    best: dict[str, Any] = {"autopar": None, "autopar_tp1": None}
+    grids: dict[str, dict[str, Any] | None] = {k: None for k in first["grids"]}
+    for cell in cells:
+        for role in best:
+            best[role] = faster(best[role], cell[role])
+        for k, g in cell["grids"].items():
+            grids[k] = faster(grids.get(k), g)
+    return {
+        **first,
+        **best,
+        "layers": first["layers"] if best["autopar"] is None else best["autopar"]["layers"],
+        "layer_counts": [c["layers"] for c in cells],
+        "grids": grids,
+        "bound": min(c["bound"] for c in cells),
+        "trace_seconds": sum(c["trace_seconds"] for c in cells),
+        "plan_seconds": sum(c["plan_seconds"] for c in cells),
+    }
+
+
 def _seconds(plan: dict[str, Any] | None, missing: str = "OOM") -> str:
     return missing if plan is None else f"{plan['seconds']:.4g} (B={plan['microbatches']})"
 
@@ -54,6 +85,11 @@ def _meshes(plan: dict[str, Any] | None) -> str:
     if plan is None:
         return "-"
     return f"{len(plan['stages'])}: " + ",".join("{}x{}".format(*s["logical"]) for s in plan["stages"])
+
+
+def _layers(cell: dict[str, Any]) -> str:
+    counts = cell.get("layer_counts", [cell["layers"]])
+    return str(cell["layers"]) if len(counts) == 1 else f"{cell['layers']} ({'/'.join(map(str, counts))})"
 
 
 def _ratio(value: float | None) -> str:
@@ -85,7 +121,7 @@ def table_row(cell: dict[str, Any]) -> list[Any]:
     return [
         cell["model"],
         f"{cell['devices']}x{cell['preset'].upper()}",
-        cell["layers"],
+        _layers(cell),
         _seconds(cell["autopar"], "does not fit"),
         _meshes(cell["autopar"]),
         s["best_grid"] or "none fits",
@@ -132,10 +168,11 @@ def results_notes(
     ilp_microbatches: list[int],
     summary: list[str],
     elapsed: float,
-    reused: int,
+    reused: tuple[int, int],
 ) -> list[str]:
     """The notes under the table: how the cells were priced, how to read the columns, the
-    margins ``summary`` and the grids that fit nowhere; ``reused`` cells came from a journal."""
+    margins ``summary`` and the grids that fit nowhere; ``reused = (k, n)``: ``k`` of the ``n``
+    plans of a cell on a clustering came from a journal."""
     if costs == "ilp":
         method = [
             "Predicted step seconds, not measurements, with every layer priced by the sharding ILP on "
@@ -180,7 +217,10 @@ def results_notes(
         "plan could gain over the best grid: a target above it cannot be reached in that cell. "
         "`OOM grids` counts the grids that fit no microbatch count. Stage lists "
         "give each stage's logical mesh. Grids split the clustered layers as evenly as they divide "
-        "(the first stages take one more), so `pp` is at most the number of layers.",
+        "(the first stages take one more), so `pp` is at most the number of layers. Each cell is "
+        "planned on every automatic clustering (`clustering.BYTES_FACTORS`; `layers` gives the one "
+        "autopar's plan uses, then all in parentheses): autopar's plan, as its planner does, and "
+        "each grid, as a user trying each would, are the fastest over them.",
         "",
         *[f"- {line}." for line in summary],
         "",
@@ -193,6 +233,11 @@ def results_notes(
         ],
         "",
         f"Every grid and plan is in the JSON file next to this one. Run time {elapsed:.0f} s"
-        + (f"; {reused} of {len(cells)} cells were read back from the journal." if reused else "."),
+        + (
+            f"; {reused[0]} of the {reused[1]} plans of a cell on a clustering were read back from "
+            "the journal."
+            if reused[0]
+            else "."
+        ),
     ]
     return notes

@@ -56,6 +56,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common, _plan_ilp  # noqa: E402
 from benchmarks._plan_table import (  # noqa: E402
     HEADERS,
+    combine,
+    faster,
     grid_name,
     margins,
     results_notes,
@@ -128,6 +130,7 @@ def _stage_search(costs, common: dict[str, Any]) -> dict[str, Any] | None:
     return {
         "seconds": sol.objective,
         "microbatches": common["num_microbatches"],
+        "layers": len(costs.latency),
         "stages": [
             {
                 "layers": [c.start, c.stop],
@@ -137,13 +140,6 @@ def _stage_search(costs, common: dict[str, Any]) -> dict[str, Any] | None:
             for c in sol.stages
         ],
     }
-
-
-def _faster(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The faster of two plans (None: does not fit); ties keep ``a``."""
-    if a is None or (b is not None and b["seconds"] < a["seconds"]):
-        return b
-    return a
 
 
 def _cluster(preset: str, num_devices: int):
@@ -164,27 +160,6 @@ def _flops_bound(prof, spec) -> float:
     return flops / (spec.num_devices * spec.device.flops(prof.dtype))
 
 
-def _cell_bound(job: tuple[str, str, int], options: dict[str, Any]) -> float:
-    """The bound :func:`plan_cell` records, for a cell planned before cells recorded it (from a
-    journal): the least over the microbatch counts with ILP costs, else :func:`_flops_bound`."""
-    model, preset, n = job
-    step, state, batch, _, batch_size = abstract_step(model, DTYPES[preset], options["batch_size"])
-    spec = _cluster(preset, n)
-    if options["costs"] == "analytic":
-        return _flops_bound(
-            _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=1)[1], spec
-        )
-    return min(
-        _plan_ilp.step_bound(
-            _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=b)[0],
-            spec,
-            num_microbatches=b,
-            dtype=DTYPES[preset],
-        )
-        for b in _ilp_candidates(batch_size, options["ilp_microbatches"])
-    )
-
-
 def plan_cell(
     model: str,
     preset: str,
@@ -194,11 +169,13 @@ def plan_cell(
     max_microbatches: int = 64,
     costs: str = "analytic",
     ilp_microbatches: tuple[int, ...] = (64,),
+    num_layers: int | None = None,
 ) -> dict[str, Any]:
-    """Traces, profiles and plans one (model, cluster) cell; returns its results as plain data.
+    """Traces, profiles and plans one (model, cluster) cell on one clustering (``num_layers``
+    layers; None: the first automatic one); returns its results as plain data.
 
     ``costs="ilp"`` prices both sides with the sharding ILP (see ``benchmarks/_plan_ilp.py``)
-    at the microbatch counts ``ilp_microbatches``.
+    at the microbatch counts ``ilp_microbatches``. :func:`combine` takes a cell's clusterings.
     """
     import numpy as np
 
@@ -212,7 +189,14 @@ def plan_cell(
         priced, bounds = {}, []
         for b in candidates:
             free, pinned, prof, traced = _plan_ilp.ilp_costs(
-                step, state, batch, spec, batch_size=batch_size, num_microbatches=b, dtype=DTYPES[preset]
+                step,
+                state,
+                batch,
+                spec,
+                batch_size=batch_size,
+                num_microbatches=b,
+                dtype=DTYPES[preset],
+                num_layers=num_layers,
             )
             # On the microbatch just traced: the bound only adds each layer's (trivial) 1x1 solve.
             bounds.append(_plan_ilp.step_bound(traced, spec, num_microbatches=b, dtype=DTYPES[preset]))
@@ -222,7 +206,9 @@ def plan_cell(
             only_dp = dataclasses.replace(free, latency=np.where(data_parallel, free.latency, np.inf))
             priced[b] = {"autopar": free, "autopar_tp1": only_dp, "grids": pinned}
     else:
-        prof = _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=1)[1]
+        prof = _plan_ilp.trace_microbatch(
+            step, state, batch, batch_size=batch_size, num_microbatches=1, num_layers=num_layers
+        )[1]
         bounds = [_flops_bound(prof, spec)]
         candidates = planner.microbatch_candidates(batch_size, max_microbatches=max_microbatches)
     trace_seconds = time.perf_counter() - t0
@@ -252,10 +238,14 @@ def plan_cell(
                 for grid, g in baselines.uniform_grid_plans(
                     *arrays, logical_shapes=c.logical, **common
                 ).items():
-                    grid_plan = None if g is None else {"seconds": g.objective, "microbatches": b}
-                    grids[grid] = _faster(grids.get(grid), grid_plan)
+                    grid_plan = (
+                        None
+                        if g is None
+                        else {"seconds": g.objective, "microbatches": b, "layers": prof.num_layers}
+                    )
+                    grids[grid] = faster(grids.get(grid), grid_plan)
                 continue
-            found[role] = _faster(found[role], _stage_search(c, common))
+            found[role] = faster(found[role], _stage_search(c, common))
     plan_seconds = time.perf_counter() - t1
     return {
         "model": model,
@@ -277,12 +267,17 @@ def plan_cell(
     }
 
 
-def _plan_job(job: tuple[str, str, int], **kwargs: Any) -> dict[str, Any]:
-    model, preset, n = job
-    return plan_cell(model, preset, n, **kwargs)
+def layer_counts(model: str, preset: str, options: dict[str, Any]) -> tuple[int, ...]:
+    """The automatic clusterings' layer counts of a cell (``clustering.BYTES_FACTORS``), on the
+    microbatch :func:`plan_cell` traces first."""
+    step, state, batch, _, batch_size = abstract_step(model, DTYPES[preset], options["batch_size"])
+    b = 1 if options["costs"] == "analytic" else _ilp_candidates(batch_size, options["ilp_microbatches"])[0]
+    traced = _plan_ilp.trace_microbatch(step, state, batch, batch_size=batch_size, num_microbatches=b)[0]
+    info = traced.jaxpr.eqns[traced.region_index()].params["info"]
+    return (len(info.cuts) + 1, *info.other_layer_counts)
 
 
-def _journal_key(job: tuple[str, str, int], options: dict[str, Any]) -> str:
+def _journal_key(job: tuple[str, str, int, int], options: dict[str, Any]) -> str:
     return json.dumps([list(job), {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}])
 
 
@@ -296,15 +291,14 @@ def _read_journal(path: str | None) -> dict[str, dict[str, Any]]:
 
 
 def _journaled_job(
-    job: tuple[str, str, int], *, journal: str | None, done: dict[str, dict[str, Any]], **options: Any
+    job: tuple[str, str, int, int], *, journal: str | None, done: dict[str, dict[str, Any]], **options: Any
 ) -> dict[str, Any]:
+    """The cell of ``job`` (model, preset, devices, layers): read back or planned and appended."""
     key = _journal_key(job, options)
-    if key in done and "bound" in done[key]:
+    if key in done:
         return done[key]
-    if key in done:  # planned before cells recorded their bound: only that is computed
-        cell = {**done[key], "bound": _cell_bound(job, options)}
-    else:
-        cell = _plan_job(job, **options)
+    model, preset, n, num_layers = job
+    cell = plan_cell(model, preset, n, num_layers=num_layers, **options)
     if journal is not None:  # one write of one line: the processes of --jobs append whole records
         fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -377,20 +371,24 @@ def main(argv: list[str] | None = None) -> None:
     _common.use_cpu_devices(1)
     _common.RESULTS = args.out_dir  # write_markdown reads it at call time
 
-    jobs = []
+    pairs = []
     for preset in args.presets:
         if args.models:
-            jobs += [(m, preset, n) for m in args.models for n in args.devices]
+            pairs += [(m, preset, n) for m in args.models for n in args.devices]
         else:
-            jobs += [(SIZES[args.sizes][f][n], preset, n) for f in args.families for n in args.devices]
+            pairs += [(SIZES[args.sizes][f][n], preset, n) for f in args.families for n in args.devices]
     start = time.perf_counter()
-    cells = []
     options = dict(
         batch_size=args.batch_size,
         max_microbatches=args.max_microbatches,
         costs=args.costs,
         ilp_microbatches=tuple(args.ilp_microbatches),
     )
+    counts = {}  # one trace per model and dtype gives the clusterings of all its cells
+    for m, p, _ in pairs:
+        if (m, DTYPES[p]) not in counts:
+            counts[m, DTYPES[p]] = layer_counts(m, p, options)
+    jobs = [(m, p, n, num) for m, p, n in pairs for num in counts[m, DTYPES[p]]]
     done = _read_journal(args.journal)
     reused = sum(_journal_key(job, options) in done for job in jobs)
     plan = functools.partial(_journaled_job, journal=args.journal, done=done, **options)
@@ -405,13 +403,15 @@ def main(argv: list[str] | None = None) -> None:
         else contextlib.nullcontext() as pool
     ):
         results = pool.map(plan, jobs) if pool else map(plan, jobs)
-        for cell in results:
-            cells.append(cell)
+        by_pair: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+        for job, cell in zip(jobs, results, strict=True):
+            by_pair.setdefault(job[:3], []).append(cell)
             print(
                 " | ".join(map(str, table_row(cell))),
                 f"(trace {cell['trace_seconds']:.1f} s, plan {cell['plan_seconds']:.1f} s)",
                 flush=True,
             )
+    cells = [combine(by_pair[pair]) for pair in pairs]
     elapsed = time.perf_counter() - start
     rows = [table_row(c) for c in cells]
     _common.print_table("plan quality (predicted step seconds)", HEADERS, rows)
@@ -425,10 +425,10 @@ def main(argv: list[str] | None = None) -> None:
         ilp_microbatches=args.ilp_microbatches,
         summary=summary,
         elapsed=elapsed,
-        reused=reused,
+        reused=(reused, len(jobs)),
     )
     config = {
-        "pairs": "; ".join(f"{m} on {n}x{p.upper()}" for m, p, n in jobs),
+        "pairs": "; ".join(f"{m} on {n}x{p.upper()}" for m, p, n in pairs),
         "model sizes": {
             "shifted": "Alpa's 1/4/8/16-GPU models on 8/16/32/64 devices",
             "alpa": "Alpa's 8/16/32/64-GPU models",

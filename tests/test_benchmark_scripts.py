@@ -46,11 +46,10 @@ def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, cos
     # The bound is below every plan: autopar's and each grid's that fits.
     seconds = [cell["autopar"]["seconds"], *(g["seconds"] for g in cell["grids"].values() if g)]
     assert 0 < cell["bound"] <= min(seconds)
-    # A journaled cell without a bound (planned before cells recorded it) is read back and gets
-    # only its bound computed; the cells recorded since read back as they are.
+    assert cell["layer_counts"] == [cell["layers"]]  # a transformer: every factor, one clustering
+    # The journaled plan is read back as it is, not planned again.
     [record] = [json.loads(line) for line in journal.read_text().splitlines()]
-    assert record["cell"] == cell
-    del record["cell"]["bound"]
+    assert record["cell"] == {k: v for k, v in cell.items() if k != "layer_counts"}
     record["cell"]["autopar"]["seconds"] *= 2  # a mark: proves the plan was read back, not redone
     journal.write_text(json.dumps(record) + "\n")
     _run(
@@ -58,8 +57,39 @@ def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, cos
     )
     [again] = json.loads((tmp_path / md.replace(".md", ".json")).read_text())["cells"]
     assert again["autopar"]["seconds"] == 2 * cell["autopar"]["seconds"]
-    assert again["bound"] == pytest.approx(cell["bound"], rel=1e-12)
-    assert len(journal.read_text().splitlines()) == 2
+    assert len(journal.read_text().splitlines()) == 1
+
+
+def test_plan_quality_cell_takes_the_fastest_plans_over_its_clusterings():
+    from benchmarks._plan_table import combine, table_row
+
+    def plan(seconds, layers):
+        return {"seconds": seconds, "microbatches": 8, "layers": layers, "stages": []}
+
+    base = dict(model="m", family="wresnet", preset="v100", devices=16, trace_seconds=1.0, plan_seconds=2.0)
+    coarse = {
+        **base,
+        "layers": 11,
+        "autopar": plan(3.0, 11),
+        "autopar_tp1": plan(4.0, 11),
+        "grids": {"16x1x1": plan(5.0, 11), "4x1x4": None},
+        "bound": 1.0,
+    }
+    fine = {
+        **base,
+        "layers": 20,
+        "autopar": plan(2.5, 20),
+        "autopar_tp1": None,
+        "grids": {"16x1x1": plan(6.0, 20), "4x1x4": plan(4.5, 20)},
+        "bound": 0.9,
+    }
+    cell = combine([coarse, fine])
+    assert cell["autopar"] == fine["autopar"] and cell["autopar_tp1"] == coarse["autopar_tp1"]
+    assert cell["grids"] == {"16x1x1": coarse["grids"]["16x1x1"], "4x1x4": fine["grids"]["4x1x4"]}
+    assert (cell["layers"], cell["layer_counts"], cell["bound"]) == (20, [11, 20], 0.9)
+    assert (cell["trace_seconds"], cell["plan_seconds"]) == (2.0, 4.0)
+    row = table_row(cell)
+    assert row[2] == "20 (11/20)" and row[5] == "4x1x4" and row[7] == f"{4.5 / 2.5:.3f}"
 
 
 def test_gpu_single_tiny_ends_with_mfu(tmp_path):

@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from autopar._src import clustering
-from autopar._src.clustering import Clustering, brute_force_clustering, choose_num_layers, cluster_layers
+from autopar._src.clustering import (
+    Clustering,
+    brute_force_clustering,
+    candidate_layer_counts,
+    choose_num_layers,
+    cluster_layers,
+)
 
 
 def _random_instance(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -120,6 +126,22 @@ def test_auto_layers_on_uniform_blocks_is_one_per_block():
     assert choose_num_layers(flops, cut_bytes, max_layers=4) == 4
     # A looser width bound admits one layer per matmul.
     assert choose_num_layers(flops, cut_bytes, bytes_factor=5.0) == 16
+
+
+def test_candidate_layer_counts_are_each_factors_choice_once_in_order():
+    flops, cut_bytes = _blocks(8)
+    assert candidate_layer_counts(flops, cut_bytes, bytes_factors=(4.0, 5.0, 2.0, 8.0)) == (8, 16)
+    assert candidate_layer_counts(flops, cut_bytes, bytes_factors=(6.0, 4.0)) == (16, 8)
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        flops, cut_bytes = _random_instance(rng)
+        factors = tuple(float(f) for f in rng.choice([1.0, 1.5, 2.0, 4.0, 8.0], size=3))
+        each = [choose_num_layers(flops, cut_bytes, bytes_factor=f) for f in factors]
+        assert candidate_layer_counts(flops, cut_bytes, bytes_factors=factors) == tuple(dict.fromkeys(each))
+    with pytest.raises(ValueError, match="bytes_factors is empty"):
+        candidate_layer_counts(flops, cut_bytes, bytes_factors=())
+    with pytest.raises(ValueError, match="bytes_factor must be .* got 0.5"):
+        candidate_layer_counts(flops, cut_bytes, bytes_factors=(4.0, 0.5))
 
 
 def test_auto_layers_deterministic_bounded_and_equal_to_brute_force():

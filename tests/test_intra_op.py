@@ -347,6 +347,7 @@ def test_dry_run_with_sharding_costs():
     cluster = cluster_mod.parse_cluster("1x8xA100")
     analytic = autopar.plan_step(step, *abstract, cluster=cluster, num_microbatches=2)
     priced = autopar.plan_step(step, *abstract, cluster=cluster, num_microbatches=2, sharding_costs=True)
-    assert priced.predicted_step_time > 0 and priced.cuts == analytic.cuts
-    assert priced.predicted_step_time != analytic.predicted_step_time  # a different cost model
+    # A different cost model: each keeps the automatic clustering its own plan is fastest on.
+    assert priced.predicted_step_time > 0
+    assert priced.predicted_step_time != analytic.predicted_step_time
     assert sum(len(st.device_ids) for st in priced.stages) <= 8

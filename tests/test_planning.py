@@ -7,7 +7,7 @@ import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
 import autopar
-from autopar._src import cluster, planning
+from autopar._src import autoplan, cluster, clustering
 from models import train
 
 BATCH = 16
@@ -30,6 +30,38 @@ def test_auto_plan_equals_jit(kind, num_mb):
     assert sorted(d for st in plan.stages for d in st.device_ids) == list(range(8))
     assert plan.predicted_step_time > 0
     assert all(0 < st.memory_bytes <= plan.memory_budget for st in plan.stages)
+
+
+def test_auto_plan_keeps_the_fastest_automatic_clustering(monkeypatch):
+    config = train.tiny_config("moe")
+    step, state = train.setup("moe", "linen", config, OPTIMIZERS["adamw"]())
+    batch = train.make_batch("moe", config, BATCH)
+    spec = _cpu_cluster(2.0)
+    each = {}
+    for factor in clustering.BYTES_FACTORS:
+        monkeypatch.setattr(clustering, "BYTES_FACTORS", (factor,))
+        plan = autopar.plan_step(step, state, batch, cluster=spec)
+        each[len(plan.cuts) + 1] = plan.predicted_step_time
+    monkeypatch.undo()
+    assert len(each) >= 2  # the factors cluster this model differently
+    plan = autopar.plan_step(step, state, batch, cluster=spec)
+    fastest = min(each, key=each.get)
+    assert len(plan.cuts) + 1 == fastest and plan.predicted_step_time == each[fastest]
+
+
+def test_auto_plan_runs_a_later_clustering_when_it_is_faster(monkeypatch):
+    # The finest clustering first: its 3 layers plan slower than the 2 of the second, so the
+    # plan and the step that runs come from the second trace.
+    monkeypatch.setattr(clustering, "BYTES_FACTORS", (8.0, clustering.BYTES_FACTOR))
+    config = train.tiny_config("gpt")
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches=2)
+    plan = par.plan(state, batches[0])
+    monkeypatch.setattr(clustering, "BYTES_FACTORS", (8.0,))
+    finest = autopar.autoparallel(step, num_stages="auto", num_microbatches=2).plan(state, batches[0])
+    assert (len(finest.cuts), len(plan.cuts)) == (2, 1)
+    assert plan.predicted_step_time < finest.predicted_step_time
 
 
 @pytest.mark.parametrize("sharding", ["data", "auto"])
@@ -122,7 +154,7 @@ def test_plan_round_trips_and_is_reused(tmp_path):
 )
 def test_assign_devices_tiles_hosts(hosts, per_host, sizes):
     spec = cluster.preset("cpu", hosts, devices_per_host=per_host)
-    placed = planning.assign_devices(sizes, spec)
+    placed = autoplan.assign_devices(sizes, spec)
     flat = [d for ids in placed for d in ids]
     assert sorted(flat) == list(range(hosts * per_host))
     for (h, w), ids in zip(sizes, placed, strict=True):
@@ -135,4 +167,4 @@ def test_assign_devices_tiles_hosts(hosts, per_host, sizes):
 def test_assign_devices_rejects_sizes_that_do_not_tile():
     spec = cluster.preset("cpu", devices_per_host=8)
     with pytest.raises(ValueError, match="do not tile"):
-        planning.assign_devices([(1, 8), (1, 4)], spec)
+        autoplan.assign_devices([(1, 8), (1, 4)], spec)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import driver, intra_op, partition, planner, planning, schedule
+from autopar._src import autoplan, driver, intra_op, partition, planner, planning, schedule
 from autopar._src.cluster import ClusterSpec
 from autopar._src.plan import Plan
 
@@ -228,7 +228,7 @@ class AutoParallel:
 
                 directory = opts.cost_cache or measure.default_cache_dir()
                 measured = dict(measured_devices=devices, cost_cache=measure.CostCache(directory))
-            step, plan = planning.auto_plan(
+            step, plan = autoplan.auto_plan(
                 self.fn,
                 args,
                 num_microbatches=None if nmb == "auto" else nmb,
@@ -401,7 +401,7 @@ def plan_step(
     Options(num_microbatches=num_microbatches, batch_argnums=argnums, schedule=schedule)
     nmb = 1 if num_microbatches == "auto" else num_microbatches
     batch_ids, batch_size = _batch_leaves(args, argnums, nmb)
-    _, plan = planning.auto_plan(
+    _, plan = autoplan.auto_plan(
         fn,
         args,
         batch_ids=batch_ids,

@@ -28,6 +28,7 @@ deterministically but not necessarily lexicographically.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -44,6 +45,14 @@ maps several times wider, so a tight factor (2) left those blocks as one or two 
 the stage search could not balance a pipeline through them (a Wide-ResNet clustered into 4
 layers). Each cut's transfer is priced by the stage search anyway; at 4 the early blocks are
 cut too, while a transformer, whose cuts all carry the same residual stream, is unaffected."""
+
+BYTES_FACTORS = (BYTES_FACTOR, 2.0, 8.0)
+"""The slacks whose clusterings the stage search plans with, keeping the fastest plan.
+
+No one factor suits every model: a coarse clustering keeps cuts off wide activations (and the
+analytic costs charge a tensor-parallel stage's all-reduces at each of its boundaries), a fine
+one lets the stage DP balance a conv net's wide early blocks. :data:`BYTES_FACTOR` comes first;
+factors giving the same layer count are planned once."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,7 +122,7 @@ def cluster_layers(
     flops, cut_bytes = _check_inputs(flops, cut_bytes, tolerance)
     red = _reduce(flops, cut_bytes)
     if num_layers is None:
-        num_layers = _choose(red, tolerance, max_layers, bytes_factor)
+        (num_layers,) = _choose(red, tolerance, max_layers, bytes_factor)
     _check_num_layers(num_layers, red.num_heavy)
     balanced, limit = _flops_limit(red, num_layers, tolerance)
     fits = red.seg <= limit
@@ -146,7 +155,27 @@ def choose_num_layers(
       ValueError: as :func:`cluster_layers`.
     """
     flops, cut_bytes = _check_inputs(flops, cut_bytes, tolerance)
-    return _choose(_reduce(flops, cut_bytes), tolerance, max_layers, bytes_factor)
+    return _choose(_reduce(flops, cut_bytes), tolerance, max_layers, bytes_factor)[0]
+
+
+def candidate_layer_counts(
+    flops: np.ndarray,
+    cut_bytes: np.ndarray,
+    *,
+    tolerance: float = 0.2,
+    max_layers: int = 32,
+    bytes_factors: tuple[float, ...] = BYTES_FACTORS,
+) -> tuple[int, ...]:
+    """The distinct :func:`choose_num_layers` over ``bytes_factors``, in their order.
+
+    Raises:
+      ValueError: as :func:`cluster_layers`, or for an empty ``bytes_factors``.
+    """
+    if not bytes_factors:
+        raise ValueError("bytes_factors is empty; give at least one factor >= 1")
+    flops, cut_bytes = _check_inputs(flops, cut_bytes, tolerance)
+    red = _reduce(flops, cut_bytes)
+    return tuple(dict.fromkeys(_choose(red, tolerance, max_layers, *bytes_factors)))
 
 
 def brute_force_clustering(
@@ -301,13 +330,16 @@ def _cheapest_nodes(red: _Reduced, allowed: np.ndarray, num_layers: int) -> list
     return nodes
 
 
-def _choose(red: _Reduced, tolerance: float, max_layers: int, bytes_factor: float) -> int:
+def _choose(red: _Reduced, tolerance: float, max_layers: int, *bytes_factors: float) -> list[int]:
+    """:func:`_auto_num_layers` for each factor, probing each layer count once."""
+
+    @functools.cache
     def probe(num: int) -> tuple[bool, float]:
         balanced, limit = _flops_limit(red, num, tolerance)
         return balanced, _min_widest_cut(red.seg <= limit, red.node_bytes, num)
 
     reference = probe(2)[1] if red.num_heavy > 1 else 0.0
-    return _auto_num_layers(red.num_heavy, reference, max_layers, bytes_factor, probe)
+    return [_auto_num_layers(red.num_heavy, reference, max_layers, f, probe) for f in bytes_factors]
 
 
 def _auto_num_layers(

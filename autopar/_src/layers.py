@@ -123,16 +123,20 @@ def _live_bytes_per_position(jaxpr: Any) -> np.ndarray:
     return np.cumsum(diff)[: n + 1]
 
 
-def choose_cuts(jaxpr: Any, num_layers: int | None) -> tuple[tuple[int, ...], tuple[float, ...]]:
+def choose_cuts(
+    jaxpr: Any, num_layers: int | None
+) -> tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]:
     """Cuts the forward into ``num_layers`` layers: FLOPs of heavy operations
     balanced, then the fewest bytes live across the widest cut
     (:func:`autopar._src.clustering.cluster_layers`).
 
-    ``num_layers=None`` lets the clustering choose how many layers.
+    ``num_layers=None`` lets the clustering choose how many layers, with
+    :data:`~autopar._src.clustering.BYTES_FACTORS`'s first factor.
 
     Returns:
-      ``(cuts, layer_flops)``: ``num_layers - 1`` cut positions (a cut ``p`` is
-      before equation ``p``) and the FLOPs of each layer.
+      ``(cuts, layer_flops, other_counts)``: ``num_layers - 1`` cut positions (a cut
+      ``p`` is before equation ``p``), the FLOPs of each layer, and (when the count
+      was chosen) the layer counts the other factors choose.
 
     Raises:
       ValueError: if the forward has fewer heavy equations than ``num_layers``.
@@ -145,8 +149,14 @@ def choose_cuts(jaxpr: Any, num_layers: int | None) -> tuple[tuple[int, ...], tu
             f"between, but {num_layers} layers were requested; use num_stages <= {max(heavy, 1)}. "
             "(Layers stacked inside one nn.scan or lax.scan cannot be cut.)"
         )
-    result = clustering.cluster_layers(flops, _live_bytes_per_position(jaxpr), num_layers=num_layers)
-    return result.cuts, result.layer_flops
+    live = _live_bytes_per_position(jaxpr)
+    counts = (
+        (num_layers,)
+        if num_layers is not None
+        else clustering.candidate_layer_counts(flops, live, bytes_factors=clustering.BYTES_FACTORS)
+    )
+    result = clustering.cluster_layers(flops, live, num_layers=counts[0])
+    return result.cuts, result.layer_flops, counts[1:]
 
 
 def layer_flops_for_cuts(jaxpr: Any, cuts: Sequence[int]) -> tuple[float, ...]:

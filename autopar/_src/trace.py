@@ -66,6 +66,9 @@ class RegionInfo:
     """Hash of the forward's primitives and the differentiated inputs' shapes (not the batch size)."""
     layer_sources: tuple[tuple[str, str], ...]
     """Source lines of the first and last equation of each layer."""
+    other_layer_counts: tuple[int, ...] = ()
+    """Layer counts of the other automatic clusterings, for the stage search to plan with too
+    (:data:`autopar._src.clustering.BYTES_FACTORS`); empty when the count or cuts were given."""
 
 
 grad_region_p = compat.Primitive("autopar_grad_region")
@@ -125,10 +128,10 @@ def _region_value_and_grad(
     flat_closed = jax.make_jaxpr(lambda c, d: layers.inline_calls(fwd_jaxpr, c, d))(outer_consts, diff_leaves)
     flat_jaxpr, flat_consts = compat.jaxpr_and_consts(flat_closed)
     if options.cuts is not None:
-        cuts = options.cuts
+        cuts, other_counts = options.cuts, ()
         layer_flops = layers.layer_flops_for_cuts(flat_jaxpr, cuts)
     else:
-        cuts, layer_flops = layers.choose_cuts(flat_jaxpr, options.num_layers)
+        cuts, layer_flops, other_counts = layers.choose_cuts(flat_jaxpr, options.num_layers)
 
     def marked_value_and_grad(consts_and_outer: list[Any], diff: list[Any]) -> list[Any]:
         def loss(d: list[Any]) -> tuple[Any, list[Any]]:
@@ -150,6 +153,7 @@ def _region_value_and_grad(
         num_forward_eqns=len(flat_jaxpr.eqns),
         fingerprint=_fingerprint(flat_jaxpr, diff_leaves),
         layer_sources=_layer_sources(flat_jaxpr, cuts),
+        other_layer_counts=tuple(other_counts),
     )
     outs = grad_region_p.bind(*grad_consts, *inputs, *diff_leaves, info=info)
     value = outs[0]
