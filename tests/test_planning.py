@@ -18,18 +18,21 @@ def _cpu_cluster(mib: float) -> autopar.ClusterSpec:
     return dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(mib * 2**20)))
 
 
-@pytest.mark.parametrize("kind,num_mb", [("gpt", 2), ("mlp", "auto")])
-def test_auto_plan_equals_jit(kind, num_mb):
-    config = train.tiny_config(kind)
-    step, state = train.setup(kind, "linen", config, OPTIMIZERS["adamw"]())
-    batches = [train.make_batch(kind, config, BATCH, seed=i) for i in range(3)]
-    par = assert_same_as_jit(
-        step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches=num_mb
-    )
-    plan = par.plan(state, batches[0])
+def _check_auto_plan(plan: autopar.Plan) -> None:
     assert sorted(d for st in plan.stages for d in st.device_ids) == list(range(8))
     assert plan.predicted_step_time > 0
     assert all(0 < st.memory_bytes <= plan.memory_budget for st in plan.stages)
+
+
+def test_auto_plan_and_microbatches_equal_jit():
+    # Tiny GPT with two microbatches: test_auto_plan_runs_a_later_clustering_when_it_is_faster.
+    config = train.tiny_config("mlp")
+    step, state = train.setup("mlp", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches="auto"
+    )
+    _check_auto_plan(par.plan(state, batches[0]))
 
 
 def test_auto_plan_keeps_the_fastest_automatic_clustering(monkeypatch):
@@ -50,14 +53,15 @@ def test_auto_plan_keeps_the_fastest_automatic_clustering(monkeypatch):
 
 
 def test_auto_plan_runs_a_later_clustering_when_it_is_faster(monkeypatch):
-    # The finest clustering first: its 3 layers plan slower than the 2 of the second, so the
-    # plan and the step that runs come from the second trace.
+    # The finest clustering first: its 3 layers plan slower under the sharding ILP's costs than
+    # the 2 of the second, so the plan and the step that runs come from the second trace.
     monkeypatch.setattr(clustering, "BYTES_FACTORS", (8.0, clustering.BYTES_FACTOR))
     config = train.tiny_config("gpt")
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
     batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
     par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches=2)
     plan = par.plan(state, batches[0])
+    _check_auto_plan(plan)
     monkeypatch.setattr(clustering, "BYTES_FACTORS", (8.0,))
     finest = autopar.autoparallel(step, num_stages="auto", num_microbatches=2).plan(state, batches[0])
     assert (len(finest.cuts), len(plan.cuts)) == (2, 1)
