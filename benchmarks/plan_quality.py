@@ -10,11 +10,14 @@ three plans share that cost model:
   ``N / pp`` devices as a ``(dp, tp)`` mesh (Megatron-LM's 3-D parallelism);
 - pure data parallel: the grid ``(N, 1, 1)``.
 
-Each keeps its best microbatch count. The ratio best grid / autopar is >= 1 when autopar's
-plan is at least as fast; the grids lie inside the stage search's space, so a ratio below 1
-would be a bug. These are predicted step times of the analytic model, not measurements.
-Each cell also records ``bound``, a lower bound on any plan's step under the same costs
-(perfect scaling of one device's work), so best grid / bound is the most any plan could gain.
+Each keeps its best microbatch count, and its best clustering: every cell is planned on each
+automatic clustering (``clustering.BYTES_FACTORS``), as ``num_stages="auto"`` plans, and
+autopar's plan and each grid are the fastest over them (``_plan_table.combine``). The ratio
+best grid / autopar is >= 1 when autopar's plan is at least as fast; the grids lie inside the
+stage search's space, so a ratio below 1 would be a bug. These are predicted step times of the
+analytic model, not measurements. Each cell also records ``bound``, a lower bound on any plan's
+step under the same costs (perfect scaling of one device's work), so best grid / bound is the
+most any plan could gain.
 
 With ``--costs ilp`` both sides are priced by the sharding ILP instead (see
 ``benchmarks/_plan_ilp.py``): the grids with Megatron-LM's layouts pinned, autopar with free
