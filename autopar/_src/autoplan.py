@@ -154,10 +154,7 @@ def auto_plan(
                 traced, spec, submeshes, logical, dtype=prof.dtype, platform=platform
             )
 
-        # The ILP's seconds do not shrink in proportion to the microbatch (collective latencies
-        # stay), so with the count to choose, it is chosen on the analytic costs at the traced
-        # batch and the stages are then priced by the ILP at the chosen microbatch.
-        sharded = None if num_microbatches is None else sharded_for(step)
+        sharded = None
 
         def solve(b: int, scale: float) -> tuple[stages.StageSolution, planner.StageCosts]:
             return planner.solve(
@@ -171,6 +168,14 @@ def auto_plan(
                 sharded=sharded,
             )
 
+        # The ILP's seconds do not shrink in proportion to the microbatch (collective latencies
+        # stay), so with the count to choose, it is chosen on the analytic costs at the traced
+        # batch and the stages are then priced by the ILP at the chosen microbatch. Memory does
+        # not depend on the latencies: a step that no plan fits fails on the analytic costs,
+        # before the ILP prices its layers.
+        if num_microbatches is not None and sharding_costs:
+            solve(num_microbatches, 1.0)
+            sharded = sharded_for(step)
         if num_microbatches is None:
             candidates = planner.microbatch_candidates(batch_size) if batch_size else (1,)
             nmb, _ = stages.choose_num_microbatches(candidates, lambda b: solve(b, 1.0 / b)[0])
