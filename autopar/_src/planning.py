@@ -1,9 +1,10 @@
 """From a step and its arguments to a traced step and a plan.
 
 Three ways: reuse a given plan (checked against the step and the devices), split
-evenly into a given number of stages, or (``num_stages="auto"``) let the
-clustering pick the layers and the stage DP pick stages, submeshes and, if asked,
-the number of microbatches.
+evenly into a given number of stages, or (``num_stages="auto"``,
+:mod:`autopar._src.autoplan`) let the clustering pick the layers and the stage DP
+pick stages, submeshes and, if asked, the number of microbatches. This module holds
+the first two and the helpers all three share.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def trace_at(
 
 
 def region_layers(step: trace.TracedStep) -> tuple[tuple[int, ...], tuple[float, ...], str]:
+    """``(cuts, layer FLOPs, fingerprint)`` of the step's grad region (none: one empty layer)."""
     at = step.region_index()
     if at is None:
         return (), (0.0,), ""
