@@ -59,7 +59,7 @@ def combine(cells: list[dict[str, Any]]) -> dict[str, Any]:
     would find; the bound is the least (each holds for plans on its clustering)."""
     first = cells[0]
     best: dict[str, Any] = {"autopar": None, "autopar_tp1": None}
-    grids: dict[str, dict[str, Any] | None] = {k: None for k in first["grids"]}
+    grids: dict[str, dict[str, Any] | None] = {}
     for cell in cells:
         for role in best:
             best[role] = faster(best[role], cell[role])

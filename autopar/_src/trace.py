@@ -153,7 +153,7 @@ def _region_value_and_grad(
         num_forward_eqns=len(flat_jaxpr.eqns),
         fingerprint=_fingerprint(flat_jaxpr, diff_leaves),
         layer_sources=_layer_sources(flat_jaxpr, cuts),
-        other_layer_counts=tuple(other_counts),
+        other_layer_counts=other_counts,
     )
     outs = grad_region_p.bind(*grad_consts, *inputs, *diff_leaves, info=info)
     value = outs[0]
