@@ -373,6 +373,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     _common.use_cpu_devices(1)
     _common.RESULTS = args.out_dir  # write_markdown reads it at call time
+    if args.journal is not None:  # before any planning: the first cell appends to it
+        os.makedirs(os.path.dirname(os.path.abspath(args.journal)), exist_ok=True)
 
     pairs = []
     for preset in args.presets:
