@@ -144,6 +144,35 @@ def test_candidate_layer_counts_are_each_factors_choice_once_in_order():
         candidate_layer_counts(flops, cut_bytes, bytes_factors=(4.0, 0.5))
 
 
+def test_unbalanced_candidates_are_the_finest_the_bytes_allow():
+    # A conv net in miniature: a wide stem conv, then convs of very different sizes. Past 3
+    # layers none is balanced, yet all 5 convs can be cut apart within the bytes bound.
+    flops = np.array([40.0, 0, 5, 0, 30, 0, 5, 0, 20])
+    cut_bytes = np.full(10, 1.0)
+    assert candidate_layer_counts(flops, cut_bytes, bytes_factors=(4.0,)) == (3,)
+    assert candidate_layer_counts(flops, cut_bytes, bytes_factors=(4.0,), unbalanced_factors=(4.0,)) == (3, 5)
+    assert not cluster_layers(flops, cut_bytes, num_layers=5).balanced
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        flops, cut_bytes = _random_instance(rng)
+        factor = float(rng.choice([1.0, 2.0, 8.0]))
+        balanced = choose_num_layers(flops, cut_bytes, bytes_factor=factor)
+        # By the definition: the largest count whose widest cut is within the factor.
+        heavy = int(np.count_nonzero(flops))
+        reference = brute_force_clustering(flops, cut_bytes, num_layers=2).max_cut_bytes if heavy > 1 else 0
+        finest = next(
+            (
+                n
+                for n in range(min(heavy, 32), 1, -1)
+                if brute_force_clustering(flops, cut_bytes, num_layers=n).max_cut_bytes <= factor * reference
+            ),
+            1,
+        )
+        got = candidate_layer_counts(flops, cut_bytes, bytes_factors=(factor,), unbalanced_factors=(factor,))
+        assert got == tuple(dict.fromkeys((balanced, finest)))
+        assert finest >= balanced
+
+
 def test_auto_layers_deterministic_bounded_and_equal_to_brute_force():
     rng = np.random.default_rng(1)
     for _ in range(60):

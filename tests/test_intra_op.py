@@ -342,6 +342,7 @@ def test_stage_dp_prices_layers_with_the_ilp():
 def test_dry_run_with_sharding_costs(monkeypatch):
     # One clustering: test_planning prices several under the sharding ILP.
     monkeypatch.setattr(clustering, "BYTES_FACTORS", (clustering.BYTES_FACTOR,))
+    monkeypatch.setattr(clustering, "UNBALANCED_FACTORS", ())
     config = train.tiny_config("gpt", num_layers=4)
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
     batch = train.make_batch("gpt", config, 16)

@@ -41,9 +41,12 @@ def test_auto_plan_keeps_the_fastest_automatic_clustering(monkeypatch):
     step, state = train.setup("moe", "linen", config, OPTIMIZERS["adamw"]())
     batch = train.make_batch("moe", config, BATCH)
     spec = _cpu_cluster(2.0)
-    each = {}
-    for factor in clustering.BYTES_FACTORS:
-        monkeypatch.setattr(clustering, "BYTES_FACTORS", (factor,))
+    each = {}  # layers -> predicted step of the plan of each factor on its own
+    rules = [((f,), ()) for f in clustering.BYTES_FACTORS]
+    rules += [((f,), (f,)) for f in clustering.UNBALANCED_FACTORS]  # with its balanced count
+    for balanced, unbalanced in rules:
+        monkeypatch.setattr(clustering, "BYTES_FACTORS", balanced)
+        monkeypatch.setattr(clustering, "UNBALANCED_FACTORS", unbalanced)
         plan = autopar.plan_step(step, state, batch, cluster=spec)
         each[len(plan.cuts) + 1] = plan.predicted_step_time
     monkeypatch.undo()
@@ -57,6 +60,7 @@ def test_auto_plan_runs_a_later_clustering_when_it_is_faster(monkeypatch):
     # The finest clustering first: its 3 layers plan slower under the sharding ILP's costs than
     # the 2 of the second, so the plan and the step that runs come from the second trace.
     monkeypatch.setattr(clustering, "BYTES_FACTORS", (8.0, clustering.BYTES_FACTOR))
+    monkeypatch.setattr(clustering, "UNBALANCED_FACTORS", ())
     config = train.tiny_config("gpt")
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
     batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]

@@ -54,6 +54,15 @@ analytic costs charge a tensor-parallel stage's all-reduces at each of its bound
 one lets the stage DP balance a conv net's wide early blocks. :data:`BYTES_FACTOR` comes first;
 factors giving the same layer count are planned once."""
 
+UNBALANCED_FACTORS = (8.0,)
+"""Slacks whose finest clustering is planned too when it cannot be balanced.
+
+A conv net's convolutions differ several-fold in FLOPs, so past some count no clustering keeps
+every layer within the balance tolerance, and the balanced ones stop there (20 layers for a
+Wide-ResNet of 54 convolutions). Finer layers, as even as they can be, still let the stage DP
+cut its stages closer to equal; each such factor adds the largest count whose widest cut it
+allows, balanced or not (:func:`candidate_layer_counts`)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Clustering:
@@ -122,7 +131,7 @@ def cluster_layers(
     flops, cut_bytes = _check_inputs(flops, cut_bytes, tolerance)
     red = _reduce(flops, cut_bytes)
     if num_layers is None:
-        (num_layers,) = _choose(red, tolerance, max_layers, bytes_factor)
+        (num_layers,) = _choose(red, tolerance, max_layers, (bytes_factor, True))
     _check_num_layers(num_layers, red.num_heavy)
     balanced, limit = _flops_limit(red, num_layers, tolerance)
     fits = red.seg <= limit
@@ -155,7 +164,7 @@ def choose_num_layers(
       ValueError: as :func:`cluster_layers`.
     """
     flops, cut_bytes = _check_inputs(flops, cut_bytes, tolerance)
-    return _choose(_reduce(flops, cut_bytes), tolerance, max_layers, bytes_factor)[0]
+    return _choose(_reduce(flops, cut_bytes), tolerance, max_layers, (bytes_factor, True))[0]
 
 
 def candidate_layer_counts(
@@ -165,8 +174,12 @@ def candidate_layer_counts(
     tolerance: float = 0.2,
     max_layers: int = 32,
     bytes_factors: tuple[float, ...] = BYTES_FACTORS,
+    unbalanced_factors: tuple[float, ...] = (),
 ) -> tuple[int, ...]:
-    """The distinct :func:`choose_num_layers` over ``bytes_factors``, in their order.
+    """The distinct :func:`choose_num_layers` over ``bytes_factors``, in their order, then for
+    each of ``unbalanced_factors`` the largest count whose widest cut that factor allows when
+    the layers need not be balanced (they are then as even as they can be, see
+    :func:`cluster_layers`).
 
     Raises:
       ValueError: as :func:`cluster_layers`, or for an empty ``bytes_factors``.
@@ -175,7 +188,8 @@ def candidate_layer_counts(
         raise ValueError("bytes_factors is empty; give at least one factor >= 1")
     flops, cut_bytes = _check_inputs(flops, cut_bytes, tolerance)
     red = _reduce(flops, cut_bytes)
-    return tuple(dict.fromkeys(_choose(red, tolerance, max_layers, *bytes_factors)))
+    rules = [(f, True) for f in bytes_factors] + [(f, False) for f in unbalanced_factors]
+    return tuple(dict.fromkeys(_choose(red, tolerance, max_layers, *rules)))
 
 
 def brute_force_clustering(
@@ -330,8 +344,8 @@ def _cheapest_nodes(red: _Reduced, allowed: np.ndarray, num_layers: int) -> list
     return nodes
 
 
-def _choose(red: _Reduced, tolerance: float, max_layers: int, *bytes_factors: float) -> list[int]:
-    """:func:`_auto_num_layers` for each factor, probing each layer count once."""
+def _choose(red: _Reduced, tolerance: float, max_layers: int, *rules: tuple[float, bool]) -> list[int]:
+    """:func:`_auto_num_layers` for each ``(bytes factor, balanced)``, probing each layer count once."""
 
     @functools.cache
     def probe(num: int) -> tuple[bool, float]:
@@ -339,7 +353,7 @@ def _choose(red: _Reduced, tolerance: float, max_layers: int, *bytes_factors: fl
         return balanced, _min_widest_cut(red.seg <= limit, red.node_bytes, num)
 
     reference = probe(2)[1] if red.num_heavy > 1 else 0.0
-    return [_auto_num_layers(red.num_heavy, reference, max_layers, f, probe) for f in bytes_factors]
+    return [_auto_num_layers(red.num_heavy, reference, max_layers, f, probe, b) for f, b in rules]
 
 
 def _auto_num_layers(
@@ -348,15 +362,17 @@ def _auto_num_layers(
     max_layers: int,
     bytes_factor: float,
     probe: Callable[[int], tuple[bool, float]],
+    balanced_only: bool = True,
 ) -> int:
-    """The rule of :func:`choose_num_layers`; ``probe(L)`` gives (balanced, widest cut)."""
+    """The rule of :func:`choose_num_layers`; ``probe(L)`` gives (balanced, widest cut).
+    Without ``balanced_only``, a count whose layers cannot be balanced qualifies too."""
     if isinstance(max_layers, bool) or not isinstance(max_layers, int | np.integer) or max_layers < 1:
         raise ValueError(f"max_layers must be an integer >= 1, got {max_layers!r}")
     if not (math.isfinite(bytes_factor) and bytes_factor >= 1.0):
         raise ValueError(f"bytes_factor must be a finite number >= 1, got {bytes_factor!r}")
     for num in range(min(num_heavy, int(max_layers)), 1, -1):
         balanced, widest = probe(num)
-        if balanced and widest <= bytes_factor * reference:
+        if (balanced or not balanced_only) and widest <= bytes_factor * reference:
             return num
     return 1
 

@@ -153,7 +153,12 @@ def choose_cuts(
     counts = (
         (num_layers,)
         if num_layers is not None
-        else clustering.candidate_layer_counts(flops, live, bytes_factors=clustering.BYTES_FACTORS)
+        else clustering.candidate_layer_counts(
+            flops,
+            live,
+            bytes_factors=clustering.BYTES_FACTORS,
+            unbalanced_factors=clustering.UNBALANCED_FACTORS,
+        )
     )
     result = clustering.cluster_layers(flops, live, num_layers=counts[0])
     return result.cuts, result.layer_flops, counts[1:]
