@@ -1,7 +1,8 @@
 """``num_stages="auto"``: automatic layers, then the stage DP over submeshes and logical meshes.
 
 The step is traced once with the first automatic clustering
-(:data:`autopar._src.clustering.BYTES_FACTORS`); each other distinct clustering is traced and
+(:data:`autopar._src.clustering.BYTES_FACTORS`); each other distinct clustering (the other
+factors', then :data:`autopar._src.clustering.UNBALANCED_FACTORS`') is traced and
 planned too, and the plan with the lowest predicted step time is kept.
 """
 
@@ -78,7 +79,7 @@ def auto_plan(
     cost_cache: Any = None,
 ) -> tuple[trace.TracedStep, Plan]:
     """Clusters layers automatically and runs the stage DP, once per distinct automatic
-    clustering (:data:`autopar._src.clustering.BYTES_FACTORS`), keeping the fastest plan.
+    clustering (:func:`autopar._src.clustering.candidate_layer_counts`), keeping the fastest plan.
 
     ``num_microbatches=None`` chooses it among the divisors of the batch size.
     With ``sharding_costs``, each stage's latency on each logical mesh is the sharding ILP's
@@ -230,7 +231,7 @@ def auto_plan(
         )
         return step, plan
 
-    # Each automatic clustering is planned and the fastest plan kept (clustering.BYTES_FACTORS);
+    # Each automatic clustering is planned and the fastest plan kept (candidate_layer_counts);
     # with measured costs only the first, as each would need its own measurements.
     info = step.jaxpr.eqns[step.region_index()].params["info"]
     counts = (None,) if measured_devices is not None else (None, *info.other_layer_counts)

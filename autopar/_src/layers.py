@@ -136,7 +136,9 @@ def choose_cuts(
     Returns:
       ``(cuts, layer_flops, other_counts)``: ``num_layers - 1`` cut positions (a cut
       ``p`` is before equation ``p``), the FLOPs of each layer, and (when the count
-      was chosen) the layer counts the other factors choose.
+      was chosen) the other layer counts of
+      :func:`~autopar._src.clustering.candidate_layer_counts` (the other factors', then
+      the unbalanced ones of :data:`~autopar._src.clustering.UNBALANCED_FACTORS`).
 
     Raises:
       ValueError: if the forward has fewer heavy equations than ``num_layers``.

@@ -68,7 +68,8 @@ class RegionInfo:
     """Source lines of the first and last equation of each layer."""
     other_layer_counts: tuple[int, ...] = ()
     """Layer counts of the other automatic clusterings, for the stage search to plan with too
-    (:data:`autopar._src.clustering.BYTES_FACTORS`); empty when the count or cuts were given."""
+    (:func:`autopar._src.clustering.candidate_layer_counts`); empty when the count or cuts were
+    given."""
 
 
 grad_region_p = compat.Primitive("autopar_grad_region")
