@@ -54,9 +54,9 @@ def faster(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any]
 
 
 def combine(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """One cell of one (model, cluster) from its cells on several clusterings: autopar's plans and
-    each grid are the fastest over the clusterings, as autopar's planner and a user trying each
-    would find; the bound is the least (each holds for plans on its clustering)."""
+    """One cell of one (model, cluster) from its cells on several clusterings (or microbatch
+    counts): autopar's plans and each grid are the fastest over them, as autopar's planner and a
+    user trying each would find; the bound is the least (each holds for plans on its cells)."""
     first = cells[0]
     best: dict[str, Any] = {"autopar": None, "autopar_tp1": None}
     grids: dict[str, dict[str, Any] | None] = {}
@@ -69,7 +69,8 @@ def combine(cells: list[dict[str, Any]]) -> dict[str, Any]:
         **first,
         **best,
         "layers": first["layers"] if best["autopar"] is None else best["autopar"]["layers"],
-        "layer_counts": [c["layers"] for c in cells],
+        "layer_counts": list(dict.fromkeys(c["layers"] for c in cells)),
+        "microbatch_candidates": sorted({b for c in cells for b in c["microbatch_candidates"]}),
         "grids": grids,
         "bound": min(c["bound"] for c in cells),
         "trace_seconds": sum(c["trace_seconds"] for c in cells),

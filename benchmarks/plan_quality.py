@@ -294,9 +294,14 @@ def _read_journal(path: str | None) -> dict[str, dict[str, Any]]:
 
 
 def _journaled_job(
-    job: tuple[str, str, int, int], *, journal: str | None, done: dict[str, dict[str, Any]], **options: Any
+    task: tuple[tuple[str, str, int, int], dict[str, Any]],
+    *,
+    journal: str | None,
+    done: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
-    """The cell of ``job`` (model, preset, devices, layers): read back or planned and appended."""
+    """The cell of ``task`` ((model, preset, devices, layers), :func:`plan_cell`'s options): read
+    back or planned and appended."""
+    job, options = task
     key = _journal_key(job, options)
     if key in done:
         return done[key]
@@ -393,10 +398,20 @@ def main(argv: list[str] | None = None) -> None:
     for m, p, _ in pairs:
         if (m, DTYPES[p]) not in counts:
             counts[m, DTYPES[p]] = layer_counts(m, p, options)
-    jobs = [(m, p, n, num) for m, p, n in pairs for num in counts[m, DTYPES[p]]]
+    # With ILP costs each microbatch count is a job of its own (and a journal record), so that
+    # adding a count to a journaled run plans only the new count.
+    per_count = (
+        [(b,) for b in args.ilp_microbatches] if args.costs == "ilp" else [options["ilp_microbatches"]]
+    )
+    jobs = [
+        ((m, p, n, num), {**options, "ilp_microbatches": bs})
+        for m, p, n in pairs
+        for num in counts[m, DTYPES[p]]
+        for bs in per_count
+    ]
     done = _read_journal(args.journal)
-    reused = sum(_journal_key(job, options) in done for job in jobs)
-    plan = functools.partial(_journaled_job, journal=args.journal, done=done, **options)
+    reused = sum(_journal_key(*job) in done for job in jobs)
+    plan = functools.partial(_journaled_job, journal=args.journal, done=done)
     with (
         concurrent.futures.ProcessPoolExecutor(
             args.jobs,
@@ -409,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     ):
         results = pool.map(plan, jobs) if pool else map(plan, jobs)
         by_pair: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-        for job, cell in zip(jobs, results, strict=True):
+        for (job, _), cell in zip(jobs, results, strict=True):
             by_pair.setdefault(job[:3], []).append(cell)
             print(
                 " | ".join(map(str, table_row(cell))),
@@ -465,6 +480,11 @@ def main(argv: list[str] | None = None) -> None:
         "plan_quality"
         + ("_ilp" if args.costs == "ilp" else "")
         + ("_alpa" if args.sizes == "alpa" and not args.models else "")
+        + (
+            ""
+            if args.costs == "analytic" or args.ilp_microbatches == [64]
+            else "_b" + "-".join(map(str, args.ilp_microbatches))
+        )
         + mode
     )
     title = "Plan quality: autopar vs Megatron-style grids and data parallel"

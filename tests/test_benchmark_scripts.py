@@ -63,10 +63,18 @@ def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, cos
 def test_plan_quality_cell_takes_the_fastest_plans_over_its_clusterings():
     from benchmarks._plan_table import combine, table_row
 
-    def plan(seconds, layers):
-        return {"seconds": seconds, "microbatches": 8, "layers": layers, "stages": []}
+    def plan(seconds, layers, microbatches=8):
+        return {"seconds": seconds, "microbatches": microbatches, "layers": layers, "stages": []}
 
-    base = dict(model="m", family="wresnet", preset="v100", devices=16, trace_seconds=1.0, plan_seconds=2.0)
+    base = dict(
+        model="m",
+        family="wresnet",
+        preset="v100",
+        devices=16,
+        trace_seconds=1.0,
+        plan_seconds=2.0,
+        microbatch_candidates=[8],
+    )
     coarse = {
         **base,
         "layers": 11,
@@ -83,11 +91,21 @@ def test_plan_quality_cell_takes_the_fastest_plans_over_its_clusterings():
         "grids": {"16x1x1": plan(6.0, 20), "4x1x4": plan(4.5, 20)},
         "bound": 0.9,
     }
-    cell = combine([coarse, fine])
+    # The coarse clustering again at 2 microbatches: a cell of its own, as the ILP runs plan them.
+    coarse_2 = {
+        **coarse,
+        "microbatch_candidates": [2],
+        "autopar": plan(2.8, 11, 2),
+        "autopar_tp1": plan(4.5, 11, 2),
+        "grids": {"16x1x1": plan(4.8, 11, 2), "4x1x4": None},
+        "bound": 0.95,
+    }
+    cell = combine([coarse, fine, coarse_2])
     assert cell["autopar"] == fine["autopar"] and cell["autopar_tp1"] == coarse["autopar_tp1"]
-    assert cell["grids"] == {"16x1x1": coarse["grids"]["16x1x1"], "4x1x4": fine["grids"]["4x1x4"]}
+    assert cell["grids"] == {"16x1x1": coarse_2["grids"]["16x1x1"], "4x1x4": fine["grids"]["4x1x4"]}
     assert (cell["layers"], cell["layer_counts"], cell["bound"]) == (20, [11, 20], 0.9)
-    assert (cell["trace_seconds"], cell["plan_seconds"]) == (2.0, 4.0)
+    assert cell["microbatch_candidates"] == [2, 8]
+    assert (cell["trace_seconds"], cell["plan_seconds"]) == (3.0, 6.0)
     row = table_row(cell)
     assert row[2] == "20 (11/20)" and row[5] == "4x1x4" and row[7] == f"{4.5 / 2.5:.3f}"
 
