@@ -219,9 +219,11 @@ def results_notes(
         "`OOM grids` counts the grids that fit no microbatch count. Stage lists "
         "give each stage's logical mesh. Grids split the clustered layers as evenly as they divide "
         "(the first stages take one more), so `pp` is at most the number of layers. Each cell is "
-        "planned on every automatic clustering (`clustering.BYTES_FACTORS`; `layers` gives the one "
-        "autopar's plan uses, then all in parentheses): autopar's plan, as its planner does, and "
-        "each grid, as a user trying each would, are the fastest over them.",
+        "planned on every automatic clustering (`clustering.BYTES_FACTORS`, then the finest, "
+        "unbalanced one that `clustering.UNBALANCED_FACTORS` allows; `layers` gives the one "
+        "autopar's plan uses, then all in parentheses) and at every microbatch count listed: "
+        "autopar's plan, as its planner does, and each grid, as a user trying each would, are the "
+        "fastest over them.",
         "",
         *[f"- {line}." for line in summary],
         "",
