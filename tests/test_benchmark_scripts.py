@@ -27,7 +27,7 @@ def _run(script: str, *args: str) -> list[str]:
     return proc.stdout.strip().splitlines()
 
 
-@pytest.mark.parametrize("costs", ["analytic", "ilp"])
+@pytest.mark.parametrize("costs", ["analytic", pytest.param("ilp", marks=pytest.mark.slow)])  # ilp: ~50 s
 def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, costs):
     journal = tmp_path / "journal.jsonl"
     lines = _run(

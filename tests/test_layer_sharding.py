@@ -120,7 +120,7 @@ def test_pinned_layouts_and_the_memory_bound_of_the_free_layouts():
         layer_sharding.layer_latency(traced, *where, fixed=kernels, memory_like=kernels)
 
 
-@pytest.mark.parametrize("kind", ["wresnet", "moe"])
+@pytest.mark.parametrize("kind", [pytest.param("wresnet", marks=pytest.mark.slow), "moe"])  # wresnet: ~45 s
 def test_megatron_rules_split_wide_resnet_and_experts_and_run_like_jit(kind):
     config = train.tiny_config(kind)
     step, state = train.setup(kind, "linen", config, OPTIMIZERS["sgd"]())

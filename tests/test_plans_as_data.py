@@ -41,6 +41,7 @@ def test_cli_plan_writes_json_that_round_trips_and_a_timeline(tmp_path, capsys):
     assert len(fig.axes[0].get_yticklabels()) == plan.num_stages
 
 
+@pytest.mark.slow  # ~35 s
 def test_dry_run_plans_a_model_larger_than_this_machine():
     # 15B parameters: 60 GB in float32 alone, more than this machine's memory; nothing
     # is allocated, the step is traced on shapes.
