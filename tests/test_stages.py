@@ -9,6 +9,7 @@ import pytest
 from autopar._src import stages
 from autopar._src.baselines import brute_force, equal_layer_plan, equal_operator_plan, uniform_grid_plans
 from autopar._src.cluster import logical_shapes
+from autopar._src.stage_problem import make_problem
 from autopar._src.stages import (
     NoFeasiblePlanError,
     StageChoice,
@@ -114,7 +115,7 @@ def test_baselines_never_beat_the_search(seed):
 
 def alpa_scan(inst: dict) -> StageSolution:
     """Alpa's plain scan: every candidate t_max in increasing order, stop when (B - 1) t_max >= best."""
-    prob = stages._problem(**inst)
+    prob = make_problem(**inst)
     capacity, max_states = stages._capacity(prob)
     candidates = np.unique(prob.latency[np.isfinite(prob.latency) & (capacity >= 1)])
     best = None

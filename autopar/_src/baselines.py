@@ -14,13 +14,13 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from autopar._src.stages import (
+from autopar._src.stage_problem import (
+    Problem,
     StageSchedule,
     StageSolution,
-    _no_plan_error,
-    _Problem,
-    _problem,
-    _solution,
+    make_problem,
+    make_solution,
+    no_plan_error,
     num_in_flight,
 )
 
@@ -44,7 +44,7 @@ def brute_force(
     Same arguments, result and errors as :func:`~autopar._src.stages.solve_stages`, but
     ties go to whichever optimal plan is enumerated first.
     """
-    prob = _problem(
+    prob = make_problem(
         latency, param_memory, activation_memory, submesh_devices=submesh_devices,
         memory_budget=memory_budget, num_devices=num_devices, num_microbatches=num_microbatches,
         schedule=schedule, layer_names=layer_names, submesh_shapes=submesh_shapes,
@@ -75,8 +75,8 @@ def brute_force(
                         [(bounds[p], bounds[p + 1], k, q) for p, (k, q, _) in enumerate(combo)],
                     )
     if best is None:
-        raise _no_plan_error(prob)
-    sol = _solution(prob, best[1])
+        raise no_plan_error(prob)
+    sol = make_solution(prob, best[1])
     assert sol is not None
     return sol
 
@@ -95,7 +95,7 @@ def _assignments(options: list, devices: np.ndarray, left: int) -> Iterator[tupl
 
 
 def _fixed_groups(
-    prob: _Problem, bounds: Sequence[int], allowed: np.ndarray | None = None
+    prob: Problem, bounds: Sequence[int], allowed: np.ndarray | None = None
 ) -> StageSolution | None:
     """Stages on ``bounds``, each on a submesh with an equal share of the devices.
 
@@ -120,7 +120,7 @@ def _fixed_groups(
             return None
         k, q = np.unravel_index(int(np.argmin(lat)), lat.shape)
         choices.append((i, j + 1, int(k), int(q)))
-    return _solution(prob, choices)
+    return make_solution(prob, choices)
 
 
 def _best(solutions: Sequence[StageSolution | None]) -> StageSolution | None:
@@ -132,7 +132,7 @@ def _best(solutions: Sequence[StageSolution | None]) -> StageSolution | None:
     return best
 
 
-def _stage_counts(prob: _Problem) -> list[int]:
+def _stage_counts(prob: Problem) -> list[int]:
     num_layers = prob.latency.shape[0]
     return [s for s in range(1, min(num_layers, prob.num_devices) + 1) if prob.num_devices % s == 0]
 
@@ -155,7 +155,7 @@ def equal_layer_plan(
 ) -> StageSolution | None:
     """Best plan with equal layer counts per stage (earlier stages take the remainder) and equal
     device shares, over every stage count dividing ``num_devices``; None if none fits."""
-    prob = _problem(
+    prob = make_problem(
         latency, param_memory, activation_memory, submesh_devices=submesh_devices,
         memory_budget=memory_budget, num_devices=num_devices, num_microbatches=num_microbatches,
         schedule=schedule, layer_names=None, submesh_shapes=None, logical_shapes=None,
@@ -190,7 +190,7 @@ def equal_operator_plan(
 ) -> StageSolution | None:
     """Like :func:`equal_layer_plan`, but cut so that stages hold about equal numbers of
     operators (``layer_ops[l]`` in layer l)."""
-    prob = _problem(
+    prob = make_problem(
         latency, param_memory, activation_memory, submesh_devices=submesh_devices,
         memory_budget=memory_budget, num_devices=num_devices, num_microbatches=num_microbatches,
         schedule=schedule, layer_names=None, submesh_shapes=None, logical_shapes=None,
@@ -220,7 +220,7 @@ def uniform_grid_plans(
       ``pp`` at most the number of layers, ordered by ``pp`` then ``dp``. None marks a grid
       that does not fit or has no matching submesh or logical shape.
     """
-    prob = _problem(
+    prob = make_problem(
         latency, param_memory, activation_memory, submesh_devices=submesh_devices,
         memory_budget=memory_budget, num_devices=num_devices, num_microbatches=num_microbatches,
         schedule=schedule, layer_names=None, submesh_shapes=None, logical_shapes=logical_shapes,

@@ -20,7 +20,7 @@ def _flops(x: float) -> str:
 
 
 def _bytes(x: float) -> str:
-    from autopar._src.stages import format_bytes
+    from autopar._src.stage_problem import format_bytes
 
     return format_bytes(x)
 
