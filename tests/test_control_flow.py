@@ -14,7 +14,7 @@ import autopar
 from autopar._src import compat, cond_split, strategies, trace
 from autopar._src.expansion import expand_calls
 from autopar._src.layout_costs import MeshSpec
-from autopar._src.partition import Transfer
+from autopar._src.program import Transfer
 from autopar._src.strategy_graph import GraphOp, Inner, Tie
 from models import train
 

@@ -10,7 +10,7 @@ from equality import OPTIMIZERS, TOLERANCES, as_numpy, assert_same_as_jit
 from flax import nnx
 
 import autopar
-from autopar._src.partition import Transfer
+from autopar._src.program import Transfer
 from models import train
 
 BATCH = 16

@@ -27,8 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autopar._src import compat, cost, transfers
 from autopar._src.expansion import expandable_branches
 from autopar._src.intra_op import StageSharding
-from autopar._src.partition import Key, Op, Program, Run, Task
 from autopar._src.plan import Plan
+from autopar._src.program import Key, Op, Program, Run, Task
 from autopar._src.strategy_graph import Inner
 from autopar._src.trace import TracedStep
 

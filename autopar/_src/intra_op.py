@@ -23,8 +23,8 @@ from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
 from autopar._src.layout_costs import MeshSpec, share_bytes
-from autopar._src.partition import Program, Transfer
 from autopar._src.plan import Plan, StagePlan
+from autopar._src.program import Program, Transfer
 from autopar._src.sharding_ilp import Node
 from autopar._src.strategy_graph import GraphOp, Tie, graph_of
 from autopar._src.trace import TracedStep

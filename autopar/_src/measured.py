@@ -21,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar._src import cost, measure, partition
 from autopar._src.driver import DATA_AXIS, _task_fn
-from autopar._src.partition import Key, Op, Task
 from autopar._src.plan import Plan, StagePlan
+from autopar._src.program import Key, Op, Task
 from autopar._src.trace import TracedStep
 
 NUM_MICROBATCHES = 2

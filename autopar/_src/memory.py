@@ -19,7 +19,7 @@ import jax
 
 from autopar._src import cost
 from autopar._src.driver import Executable
-from autopar._src.partition import Key, Run, Transfer
+from autopar._src.program import Key, Run, Transfer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

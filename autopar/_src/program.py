@@ -1,0 +1,85 @@
+"""The program a plan compiles to: tasks of ops on stages, and the instructions that run them.
+
+:func:`autopar._src.partition.build_program` makes a :class:`Program`; the driver runs it,
+the memory model and the measured costs read it. Nothing here knows about devices.
+
+Values are named by *keys* ``(var, tag)``: tag ``None`` for once-per-step
+values, ``j`` for microbatch ``j``, ``("acc", j)`` for the running sum of a
+region output after microbatch ``j``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+Key = tuple[Any, Any]
+Location = tuple[Key, int]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Op:
+    """One equation (or one accumulation step) with concrete keys."""
+
+    kind: Literal["eqn", "acc"]
+    ins: tuple[Any, ...]
+    """Input keys, or jaxpr literals."""
+    outs: tuple[Key | None, ...]
+    """Output keys (None for a dropped output)."""
+    eqn: Any = None
+    mode: Literal["", "zeros", "add", "copy", "mean"] = ""
+    """For ``acc``: make a zero sum, add to it, pass a value on, or divide the sum."""
+    divisor: int = 1
+    """For ``acc`` in mode ``mean``: the number of microbatches to average over."""
+    aval: Any = None
+    """For ``acc`` in mode ``zeros``: shape and dtype of the sum."""
+
+
+@dataclasses.dataclass(eq=False)
+class Task:
+    """A group of ops that runs as one executable on one stage."""
+
+    stage: int
+    label: str
+    ops: list[Op]
+    repeated: bool
+    """Whether the task runs once per microbatch (sharing one executable)."""
+    in_keys: tuple[Key, ...] = ()
+    out_keys: tuple[Key, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Run task ``task`` reading ``in_locs`` and writing ``out_locs``."""
+
+    task: int
+    frees: tuple[Location, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """Copy ``key`` from stage ``src`` to stage ``dst``."""
+
+    key: Key
+    src: int
+    dst: int
+    frees: tuple[Location, ...] = ()
+
+
+@dataclasses.dataclass(eq=False)
+class Program:
+    """Everything the driver needs, independent of devices."""
+
+    tasks: list[Task]
+    instrs: list[Run | Transfer]
+    input_stages: dict[Key, tuple[int, ...]]
+    """For each input key (an argument leaf or constant, per microbatch for the
+    batch), the stages it is placed on at the start of a step."""
+    output_keys: tuple[Any, ...]
+    """For each output leaf: a key, or a literal."""
+    home: dict[Key, int]
+    """Stage where each produced key is made."""
+    per_microbatch: frozenset[Any]
+    """Vars that hold one value per microbatch."""
+    microbatch_size: int
+    """Rows of the batch per microbatch."""
