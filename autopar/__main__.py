@@ -37,14 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     demo.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     demo.add_argument("--batch-size", type=int, default=32)
-    from autopar._src import calibrate, cli
+    from autopar._src import cli
 
     cli.add_commands(sub)
     cli.add_bench(sub)
-    calibrate.add_command(sub)
+    cli.add_calibrate(sub)
     args = parser.parse_args(argv)
     if args.command == "calibrate":
-        return calibrate.run_command(args)
+        return cli.run_calibrate(args)
     if args.command == "bench":
         return cli.run_bench(args)
     if args.command == "plan":

@@ -10,7 +10,7 @@ import pytest
 
 import autopar
 from autopar._src import calibrate as calibrate_mod
-from autopar._src import cluster
+from autopar._src import cli, cluster, report
 from autopar._src.cluster import ClusterSpec
 from models import train
 
@@ -82,11 +82,11 @@ def test_single_device_keeps_the_base_links():
         assert math.isfinite(value) and value > 0, spec
 
 
-def test_run_command_prints_the_table_and_writes_the_spec(tmp_path, capsys):
+def test_calibrate_command_prints_the_table_and_writes_the_spec(tmp_path, capsys):
     path = tmp_path / "out" / "cluster.json"
     path.parent.mkdir()
     args = argparse.Namespace(out=str(path), quick=True, devices=2, progress=False)
-    assert calibrate_mod.run_command(args) == 0
+    assert cli.run_calibrate(args) == 0
     spec = ClusterSpec.load(path)
     assert spec.devices_per_host == 2
     printed = capsys.readouterr().out
@@ -97,7 +97,7 @@ def test_run_command_prints_the_table_and_writes_the_spec(tmp_path, capsys):
 
 def test_command_line_parser():
     parser = argparse.ArgumentParser()
-    calibrate_mod.add_command(parser.add_subparsers(dest="command"))
+    cli.add_calibrate(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["calibrate", "--quick", "--devices", "4", "--out", "c.json"])
     assert (args.command, args.quick, args.devices, args.out, args.progress) == (
         "calibrate",
@@ -117,9 +117,9 @@ def test_bad_devices_are_refused():
     with pytest.raises(ValueError, match="twice"):
         calibrate_mod.calibrate([device, device], progress=False)
     with pytest.raises(ValueError, match="--devices must be >= 1"):
-        calibrate_mod.run_command(argparse.Namespace(out=None, quick=True, devices=0, progress=False))
+        cli.run_calibrate(argparse.Namespace(out=None, quick=True, devices=0, progress=False))
     with pytest.raises(ValueError, match="fresh process"):
-        calibrate_mod.run_command(argparse.Namespace(out=None, quick=True, devices=64, progress=False))
+        cli.run_calibrate(argparse.Namespace(out=None, quick=True, devices=64, progress=False))
 
 
 def test_default_base_matches_the_platform():
@@ -136,7 +136,7 @@ def test_steps_report_progress_and_refuse_non_finite_figures():
         calibrate_mod._run_steps([("zero", lambda: 0.0)], {}, progress=False)
 
 
-def test_summary_table_lists_every_figure():
-    text = calibrate_mod.summary_table(cluster.H100_SXM_8)
+def test_cluster_table_lists_every_figure():
+    text = report.cluster_table(cluster.H100_SXM_8)
     assert "989.00 TFLOP/s" in text and "3.35 TB/s" in text and "450.00 GB/s" in text
-    assert "5 us" in text and "74.51 GiB" in text
+    assert "5.00 us" in text and "74.51 GiB" in text

@@ -10,15 +10,13 @@ report (memory size on some platforms) comes from a *base* spec.
 Example:
   >>> spec = calibrate(quick=True)
   >>> spec.save("cluster.json")
-  >>> print(summary_table(spec))
+  >>> print(report.cluster_table(spec))  # autopar._src.report
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import io
 import math
 import statistics
 import time
@@ -381,83 +379,3 @@ def _allreduce_bandwidth(devices: Sequence[jax.Device], effort: _Effort, room: i
     # the total keeps the figure finite and within 2x of the latency-free lower bound.
     transfer = max(seconds - fixed, 0.5 * seconds)
     return 2 * (n - 1) / n * num_bytes / transfer
-
-
-def _rate(x: float, unit: str) -> str:
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.2f} {prefix}{unit}"
-    return f"{x:.2f} {unit}"
-
-
-def _seconds(x: float) -> str:
-    if x >= 1e-3:
-        return f"{x * 1e3:.3g} ms"
-    return f"{x * 1e6:.3g} us"
-
-
-def summary_table(spec: ClusterSpec, width: int = 100) -> str:
-    """The spec as a text table: peak FLOP/s per dtype, memory bandwidth and size, links."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"cluster {spec.name}", title_justify="left")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    table.add_row("device", spec.device.name)
-    table.add_row("hosts x devices", f"{spec.num_hosts} x {spec.devices_per_host}")
-    for dtype, flops in spec.device.peak_flops:
-        table.add_row(f"peak {dtype}", _rate(flops, "FLOP/s"))
-    table.add_row("memory bandwidth", _rate(spec.device.memory_bandwidth, "B/s"))
-    table.add_row("memory", f"{spec.device.memory_bytes / 2**30:.2f} GiB")
-    table.add_row("intra-host link", _rate(spec.intra_host_bandwidth, "B/s"))
-    table.add_row("intra-host latency", _seconds(spec.intra_host_latency))
-    table.add_row("inter-host link", _rate(spec.inter_host_bandwidth, "B/s"))
-    table.add_row("inter-host latency", _seconds(spec.inter_host_latency))
-    buf = io.StringIO()
-    Console(file=buf, width=width, force_terminal=False, color_system=None).print(table)
-    return buf.getvalue().rstrip()
-
-
-def add_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Adds ``calibrate`` to the command line's sub-parsers."""
-    parser = subparsers.add_parser(
-        "calibrate",
-        help="measure this machine's devices and write a cluster spec",
-        description="Time matmuls, memory bandwidth and all-reduces on this machine's devices; print "
-        "the figures and optionally write them as a ClusterSpec JSON for `autopar plan --cluster-file`.",
-        epilog="example: autopar calibrate --quick --devices 8 --out cluster.json",
-    )
-    parser.add_argument("--out", help="write the spec as JSON here")
-    parser.add_argument("--quick", action="store_true", help="smaller problems, fewer repeats")
-    parser.add_argument(
-        "--devices", type=int, help="simulate N CPU devices and calibrate them (CPU platform only)"
-    )
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    return parser
-
-
-def run_command(args: argparse.Namespace) -> int:
-    """``autopar calibrate``."""
-    devices = None
-    if args.devices is not None:
-        if args.devices < 1:
-            raise ValueError(f"--devices must be >= 1, got {args.devices}")
-        jax.config.update("jax_platforms", "cpu")
-        with contextlib.suppress(RuntimeError):
-            # Refused once JAX has started its backends (e.g. when called from a running program);
-            # the devices already there are then used if there are enough.
-            jax.config.update("jax_num_cpu_devices", args.devices)
-        available = jax.devices("cpu")
-        if len(available) < args.devices:
-            raise ValueError(
-                f"--devices {args.devices} asks for more than the {len(available)} CPU devices JAX has "
-                "started; run calibrate in a fresh process"
-            )
-        devices = available[: args.devices]
-    spec = calibrate(devices, quick=args.quick, progress=args.progress)
-    print(summary_table(spec))
-    if args.out:
-        spec.save(args.out)
-        print(f"cluster spec written to {args.out}")
-    return 0

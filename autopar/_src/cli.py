@@ -1,8 +1,9 @@
-"""The ``plan`` and ``compare`` commands of ``python -m autopar``."""
+"""The ``plan``, ``compare``, ``bench`` and ``calibrate`` commands of ``python -m autopar``."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 from typing import Any
 
 
@@ -183,3 +184,52 @@ def run_compare(args: argparse.Namespace) -> int:
         num_microbatches=args.microbatches,
     )
     return 0 if result.agree else 1
+
+
+def add_calibrate(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds ``calibrate`` to the command line's sub-parsers."""
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure this machine's devices and write a cluster spec",
+        description="Time matmuls, memory bandwidth and all-reduces on this machine's devices; print "
+        "the figures and optionally write them as a ClusterSpec JSON for `autopar plan --cluster-file`.",
+        epilog="example: autopar calibrate --quick --devices 8 --out cluster.json",
+    )
+    parser.add_argument("--out", help="write the spec as JSON here")
+    parser.add_argument("--quick", action="store_true", help="smaller problems, fewer repeats")
+    parser.add_argument(
+        "--devices", type=int, help="simulate N CPU devices and calibrate them (CPU platform only)"
+    )
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return parser
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    """``autopar calibrate``."""
+    import jax
+
+    from autopar._src.calibrate import calibrate
+    from autopar._src.report import cluster_table
+
+    devices = None
+    if args.devices is not None:
+        if args.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {args.devices}")
+        jax.config.update("jax_platforms", "cpu")
+        with contextlib.suppress(RuntimeError):
+            # Refused once JAX has started its backends (e.g. when called from a running program);
+            # the devices already there are then used if there are enough.
+            jax.config.update("jax_num_cpu_devices", args.devices)
+        available = jax.devices("cpu")
+        if len(available) < args.devices:
+            raise ValueError(
+                f"--devices {args.devices} asks for more than the {len(available)} CPU devices JAX has "
+                "started; run calibrate in a fresh process"
+            )
+        devices = available[: args.devices]
+    spec = calibrate(devices, quick=args.quick, progress=args.progress)
+    print(cluster_table(spec))
+    if args.out:
+        spec.save(args.out)
+        print(f"cluster spec written to {args.out}")
+    return 0

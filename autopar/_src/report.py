@@ -1,4 +1,4 @@
-"""Human-readable rendering of plans (rich tables)."""
+"""Human-readable rendering of plans and cluster specs (rich tables)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
+    from autopar._src.cluster import ClusterSpec
     from autopar._src.plan import Plan
 
 
@@ -26,7 +27,16 @@ def _bytes(x: float) -> str:
 
 
 def _seconds(x: float) -> str:
-    return f"{x * 1e3:.2f} ms" if x < 10 else f"{x:.2f} s"
+    if x >= 10:
+        return f"{x:.2f} s"
+    return f"{x * 1e3:.2f} ms" if x >= 1e-3 else f"{x * 1e6:.2f} us"
+
+
+def _rate(x: float, unit: str) -> str:
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
 
 
 def _devices(ids: tuple[int, ...]) -> str:
@@ -78,4 +88,24 @@ def plan_table(plan: Plan, width: int = 120) -> str:
     if plan.predicted_step_time:
         summary += f"  predicted step {_seconds(plan.predicted_step_time)}"
     console.print(summary)
+    return buf.getvalue().rstrip()
+
+
+def cluster_table(spec: ClusterSpec, width: int = 100) -> str:
+    """The spec as a text table: peak FLOP/s per dtype, memory bandwidth and size, links."""
+    table = Table(title=f"cluster {spec.name}", title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("device", spec.device.name)
+    table.add_row("hosts x devices", f"{spec.num_hosts} x {spec.devices_per_host}")
+    for dtype, flops in spec.device.peak_flops:
+        table.add_row(f"peak {dtype}", _rate(flops, "FLOP/s"))
+    table.add_row("memory bandwidth", _rate(spec.device.memory_bandwidth, "B/s"))
+    table.add_row("memory", f"{spec.device.memory_bytes / 2**30:.2f} GiB")
+    table.add_row("intra-host link", _rate(spec.intra_host_bandwidth, "B/s"))
+    table.add_row("intra-host latency", _seconds(spec.intra_host_latency))
+    table.add_row("inter-host link", _rate(spec.inter_host_bandwidth, "B/s"))
+    table.add_row("inter-host latency", _seconds(spec.inter_host_latency))
+    buf = io.StringIO()
+    Console(file=buf, width=width, force_terminal=False, color_system=None).print(table)
     return buf.getvalue().rstrip()
