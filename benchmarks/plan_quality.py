@@ -43,20 +43,16 @@ over all cells when there are none).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import contextlib
 import dataclasses
-import functools
 import json
 import math
-import multiprocessing
 import os
 import sys
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import _common, _plan_ilp  # noqa: E402
+from benchmarks import _common, _journal, _plan_ilp  # noqa: E402
 from benchmarks._plan_table import (  # noqa: E402
     HEADERS,
     combine,
@@ -280,40 +276,9 @@ def layer_counts(model: str, preset: str, options: dict[str, Any]) -> tuple[int,
     return (len(info.cuts) + 1, *info.other_layer_counts)
 
 
-def _journal_key(job: tuple[str, str, int, int], options: dict[str, Any]) -> str:
-    return json.dumps([list(job), {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}])
-
-
-def _read_journal(path: str | None) -> dict[str, dict[str, Any]]:
-    """Journal key (job and options, see :func:`_journal_key`) -> cell, of every cell planned."""
-    if path is None or not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return {r["key"]: r["cell"] for r in records}
-
-
-def _journaled_job(
-    task: tuple[tuple[str, str, int, int], dict[str, Any]],
-    *,
-    journal: str | None,
-    done: dict[str, dict[str, Any]],
-) -> dict[str, Any]:
-    """The cell of ``task`` ((model, preset, devices, layers), :func:`plan_cell`'s options): read
-    back or planned and appended."""
-    job, options = task
-    key = _journal_key(job, options)
-    if key in done:
-        return done[key]
-    model, preset, n, num_layers = job
-    cell = plan_cell(model, preset, n, num_layers=num_layers, **options)
-    if journal is not None:  # one write of one line: the processes of --jobs append whole records
-        fd = os.open(journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (json.dumps({"key": key, "cell": cell}) + "\n").encode())
-        finally:
-            os.close(fd)
-    return cell
+def _plan_job(model: str, preset: str, num_devices: int, num_layers: int, **options: Any) -> dict[str, Any]:
+    """:func:`plan_cell` of one journal task (job ``(model, preset, devices, layers)``)."""
+    return plan_cell(model, preset, num_devices, num_layers=num_layers, **options)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -378,8 +343,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     _common.use_cpu_devices(1)
     _common.RESULTS = args.out_dir  # write_markdown reads it at call time
-    if args.journal is not None:  # before any planning: the first cell appends to it
-        os.makedirs(os.path.dirname(os.path.abspath(args.journal)), exist_ok=True)
 
     pairs = []
     for preset in args.presets:
@@ -403,34 +366,29 @@ def main(argv: list[str] | None = None) -> None:
     per_count = (
         [(b,) for b in args.ilp_microbatches] if args.costs == "ilp" else [options["ilp_microbatches"]]
     )
-    jobs = [
+    tasks = [
         ((m, p, n, num), {**options, "ilp_microbatches": bs})
         for m, p, n in pairs
         for num in counts[m, DTYPES[p]]
         for bs in per_count
     ]
-    done = _read_journal(args.journal)
-    reused = sum(_journal_key(*job) in done for job in jobs)
-    plan = functools.partial(_journaled_job, journal=args.journal, done=done)
-    with (
-        concurrent.futures.ProcessPoolExecutor(
-            args.jobs,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_common.use_cpu_devices,
-            initargs=(1,),
-        )
-        if args.jobs > 1
-        else contextlib.nullcontext() as pool
+    done = _journal.read(args.journal)
+    reused = sum(_journal.key(task) in done for task in tasks)
+    by_pair: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for (job, _), cell in _journal.run(
+        _plan_job,
+        tasks,
+        journal=args.journal,
+        processes=args.jobs,
+        initializer=_common.use_cpu_devices,
+        initargs=(1,),
     ):
-        results = pool.map(plan, jobs) if pool else map(plan, jobs)
-        by_pair: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
-        for (job, _), cell in zip(jobs, results, strict=True):
-            by_pair.setdefault(job[:3], []).append(cell)
-            print(
-                " | ".join(map(str, table_row(cell))),
-                f"(trace {cell['trace_seconds']:.1f} s, plan {cell['plan_seconds']:.1f} s)",
-                flush=True,
-            )
+        by_pair.setdefault(job[:3], []).append(cell)
+        print(
+            " | ".join(map(str, table_row(cell))),
+            f"(trace {cell['trace_seconds']:.1f} s, plan {cell['plan_seconds']:.1f} s)",
+            flush=True,
+        )
     cells = [combine(by_pair[pair]) for pair in pairs]
     elapsed = time.perf_counter() - start
     rows = [table_row(c) for c in cells]
@@ -445,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
         ilp_microbatches=args.ilp_microbatches,
         summary=summary,
         elapsed=elapsed,
-        reused=(reused, len(jobs)),
+        reused=(reused, len(tasks)),
     )
     config = {
         "pairs": "; ".join(f"{m} on {n}x{p.upper()}" for m, p, n in pairs),
