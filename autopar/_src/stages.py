@@ -20,28 +20,22 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from autopar._src.stage_problem import (
-    STAGE_SCHEDULES,
     NoFeasiblePlanError,
     Problem,
     StageChoice,
     StageSchedule,
     StageSolution,
-    format_bytes,
     make_problem,
     make_solution,
     no_plan_error,
-    num_in_flight,
 )
 
 __all__ = [
-    "STAGE_SCHEDULES",
     "NoFeasiblePlanError",
     "StageChoice",
     "StageSchedule",
     "StageSolution",
     "choose_num_microbatches",
-    "format_bytes",
-    "num_in_flight",
     "solve_stages",
 ]
 
