@@ -13,13 +13,6 @@ if TYPE_CHECKING:
     from autopar._src.plan import Plan
 
 
-def _flops(x: float) -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if x >= scale:
-            return f"{x / scale:.2f} {unit}"
-    return f"{x:.0f}"
-
-
 def _bytes(x: float) -> str:
     from autopar._src.stage_problem import format_bytes
 
@@ -33,10 +26,11 @@ def _seconds(x: float) -> str:
 
 
 def _rate(x: float, unit: str) -> str:
+    """``x`` with a decimal prefix (K to P) before ``unit``."""
     for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if x >= scale:
             return f"{x / scale:.2f} {prefix}{unit}"
-    return f"{x:.2f} {unit}"
+    return f"{x:.2f} {unit}".rstrip()
 
 
 def _devices(ids: tuple[int, ...]) -> str:
@@ -62,7 +56,7 @@ def plan_table(plan: Plan, width: int = 120) -> str:
             str(first) if first == last else f"{first}-{last}",
             _devices(st.device_ids),
             " x ".join(f"{n}={s}" for n, s in zip(st.axis_names, st.mesh_shape, strict=True)),
-            _flops(st.forward_flops),
+            _rate(st.forward_flops, ""),
         ]
         if predicted:
             budget = f" / {_bytes(plan.memory_budget)}" if plan.memory_budget else ""
