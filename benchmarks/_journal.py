@@ -56,18 +56,20 @@ def run(
     tasks: Sequence[Task],
     *,
     journal: str | None,
+    done: dict[str, Any],
     processes: int = 1,
     initializer: Callable[..., None] | None = None,
     initargs: tuple[Any, ...] = (),
 ) -> Iterator[tuple[Task, Any]]:
     """``(task, fn(*job, **options))`` for every task, in order, as results arrive.
 
+    Tasks whose key is in ``done`` (:func:`read` of ``journal``) are read back, not run.
     With ``processes > 1`` the tasks run in that many spawned processes, each started with
     ``initializer(*initargs)``; ``fn`` must then be a module-level function.
     """
     if journal is not None:  # before any planning: the first result appends to it
         os.makedirs(os.path.dirname(os.path.abspath(journal)), exist_ok=True)
-    call = functools.partial(_call, fn=fn, journal=journal, done=read(journal))
+    call = functools.partial(_call, fn=fn, journal=journal, done=done)
     with (
         concurrent.futures.ProcessPoolExecutor(
             processes,

@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         _plan_job,
         tasks,
         journal=args.journal,
+        done=done,
         processes=args.jobs,
         initializer=_common.use_cpu_devices,
         initargs=(1,),

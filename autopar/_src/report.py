@@ -8,15 +8,11 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from autopar._src.stage_problem import format_bytes
+
 if TYPE_CHECKING:
     from autopar._src.cluster import ClusterSpec
     from autopar._src.plan import Plan
-
-
-def _bytes(x: float) -> str:
-    from autopar._src.stage_problem import format_bytes
-
-    return format_bytes(x)
 
 
 def _seconds(x: float) -> str:
@@ -59,11 +55,11 @@ def plan_table(plan: Plan, width: int = 120) -> str:
             _rate(st.forward_flops, ""),
         ]
         if predicted:
-            budget = f" / {_bytes(plan.memory_budget)}" if plan.memory_budget else ""
+            budget = f" / {format_bytes(plan.memory_budget)}" if plan.memory_budget else ""
             row += [
                 _seconds(st.compute_time),
                 _seconds(st.latency - st.compute_time),
-                _bytes(st.memory_bytes) + budget,
+                format_bytes(st.memory_bytes) + budget,
             ]
         table.add_row(*row)
     buf = io.StringIO()
@@ -95,7 +91,7 @@ def cluster_table(spec: ClusterSpec, width: int = 100) -> str:
     for dtype, flops in spec.device.peak_flops:
         table.add_row(f"peak {dtype}", _rate(flops, "FLOP/s"))
     table.add_row("memory bandwidth", _rate(spec.device.memory_bandwidth, "B/s"))
-    table.add_row("memory", f"{spec.device.memory_bytes / 2**30:.2f} GiB")
+    table.add_row("memory", format_bytes(spec.device.memory_bytes))
     table.add_row("intra-host link", _rate(spec.intra_host_bandwidth, "B/s"))
     table.add_row("intra-host latency", _seconds(spec.intra_host_latency))
     table.add_row("inter-host link", _rate(spec.inter_host_bandwidth, "B/s"))
