@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar._src import compat, cost, transfers
+from autopar._src import compat, cost, deferred, transfers
 from autopar._src.expansion import expandable_branches
 from autopar._src.intra_op import StageSharding
 from autopar._src.plan import Plan
@@ -55,13 +55,13 @@ def stage_meshes(plan: Plan, devices: Sequence[Any]) -> list[Mesh]:
     return meshes
 
 
-def _acc(op: Op, vals: list[Any]) -> Any:
+def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh) -> Any:
     if op.mode == "zeros":
-        return jnp.zeros(op.aval.shape, op.aval.dtype)
+        return deferred.zeros(op.aval, stacked, mesh)
     if op.mode == "add":
         return vals[0] + vals[1]
     if op.mode == "mean":
-        return vals[0] / op.divisor
+        return deferred.finish(vals[0], stacked) / op.divisor
     return vals[0]
 
 
@@ -105,8 +105,14 @@ def _run_pinned(body: Any, inner: dict[Inner, NamedSharding], here: tuple[int, .
 
 
 def _task_fn(
-    task: Task, pins: dict[Key, NamedSharding], inner: dict[Inner, NamedSharding] | None = None
+    task: Task,
+    mesh: Mesh,
+    pins: dict[Key, NamedSharding],
+    inner: dict[Inner, NamedSharding] | None = None,
+    sums: deferred.Deferred = deferred.NONE,
 ) -> Callable[..., tuple[Any, ...]]:
+    """The function a task's executable runs: its ops in order, outputs pinned to ``pins``,
+    values inside calls to ``inner``; ``sums`` are kept as stacked partial sums."""
     ops, in_keys, out_keys, inner = task.ops, task.in_keys, task.out_keys, inner or {}
 
     def fn(*args: Any) -> tuple[Any, ...]:
@@ -117,7 +123,14 @@ def _task_fn(
 
         for op in ops:
             vals = [read(a) for a in op.ins]
-            outs = bind_pinned(op.eqn, vals, inner) if op.kind == "eqn" else [_acc(op, vals)]
+            var = op.outs[0][0] if op.outs and op.outs[0] is not None else None
+            if op.kind == "acc":
+                outs = [_acc(op, vals, sums.accumulators.get(var), mesh)]
+            elif var in sums.values:
+                pin = pins[op.outs[0]]
+                outs = [deferred.bind(op.eqn, vals, sums.values[var], pin.spec[1:], mesh)]
+            else:
+                outs = bind_pinned(op.eqn, vals, inner)
             for k, x in zip(op.outs, outs, strict=True):
                 if k is not None:
                     env[k] = jax.lax.with_sharding_constraint(x, pins[k]) if k in pins else x
@@ -177,6 +190,12 @@ class Executable:
             if isinstance(ins, Run):
                 last_read[ins.task] = {loc[0] for loc in ins.frees}
         inner = [self._inner_pins(stage) for stage in range(len(self.meshes))]
+        self.deferred: list[deferred.Deferred] = [
+            deferred.deferred_sums(self.program.tasks, stage, chosen.partial_sums)
+            if (chosen := self._stage_sharding(stage)) is not None and self.plan.num_microbatches > 1
+            else deferred.NONE
+            for stage in range(len(self.meshes))
+        ]
         for ti, t in enumerate(self.program.tasks):
             s_in = tuple(self.spec(k, t.stage) for k in t.in_keys)
             s_out = tuple(self.spec(k, t.stage) for k in t.out_keys)
@@ -186,7 +205,7 @@ class Executable:
             if sig not in cache:
                 mesh = self.meshes[t.stage]
                 cache[sig] = jax.jit(
-                    _task_fn(t, self._pins(t), inner[t.stage]),
+                    _task_fn(t, mesh, self._pins(t), inner[t.stage], self.deferred[t.stage]),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
                     out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
                     donate_argnums=donate,
@@ -236,7 +255,9 @@ class Executable:
         var, tag = key
         chosen = self._stage_sharding(stage)
         if chosen is not None and var in chosen.specs:
-            return PartitionSpec(*chosen.specs[var])
+            sums = self.deferred[stage]
+            stacked = sums.accumulators.get(var) if _is_accumulator(key) else sums.values.get(var)
+            return PartitionSpec(*chosen.specs[var]) if stacked is None else stacked.spec(chosen.specs[var])
         if not isinstance(tag, int) or isinstance(tag, bool):
             return PartitionSpec()
         m = self.program.microbatch_size

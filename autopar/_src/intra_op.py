@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, layers
+from autopar._src import compat, deferred, layers
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
@@ -57,6 +57,11 @@ class StageSharding:
     """Nodes of the strategy graph (inputs and equations) before merging."""
     num_variables: int
     """Nodes left after forced choices were merged: the ILP's decision groups."""
+    partial_sums: dict[Any, tuple[tuple[Spec, ...], tuple[str, ...]]] = dataclasses.field(
+        default_factory=dict
+    )
+    """Values whose equation leaves partial sums that a collective finishes (see
+    :mod:`autopar._src.deferred`): its operands' layouts and the mesh axes summed over."""
 
 
 def mesh_spec(
@@ -183,6 +188,15 @@ def solve_stage(
         for name, (i, _) in producer.items()
         if name in made
     }
+    partial_sums = {}
+    for op in ops:
+        name = op.outs[0] if len(op.outs) == 1 else None
+        if name in strategies and op.eqn.primitive.name in deferred.PARTIAL_SUM_PRIMITIVES:
+            i, _ = producer[name]
+            chosen = nodes[i].strategies[solution.choices[i]]
+            axes = deferred.reduced_axes(chosen.input_specs, chosen.output_specs[0], mesh.axis_names)
+            if axes:
+                partial_sums[name] = (chosen.input_specs, axes)
     # Every value is pinned: left to propagate between pinned matmuls, XLA picked other
     # layouts for the elementwise work in between and added collectives the plan does not
     # have (3x the planned step time on a GPT stage).
@@ -202,6 +216,7 @@ def solve_stage(
         solve_seconds=time.perf_counter() - start,
         num_nodes=len(nodes),
         num_variables=groups,
+        partial_sums=partial_sums,
     )
 
 

@@ -1,0 +1,93 @@
+"""Gradient all-reduces deferred to the last microbatch: equal to ``jax.jit``, and the compiled
+per-microbatch tasks issue no weight-gradient collective."""
+
+import math
+import re
+
+import jax
+import pytest
+from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
+
+from autopar._src import deferred
+from autopar._src.collectives import entry_axes
+from models import train
+from models.mlp import MLPConfig
+
+COLLECTIVE = re.compile(r"= (\([^)]*\)|[a-z0-9]+\[[0-9,]*\]\S*) (all-reduce|reduce-scatter|all-gather)\(")
+
+
+def _task_collectives(exe):
+    """Per task: ``(repeated, [(kind, result shape)])`` of its compiled HLO."""
+    found = []
+    for task, fn in zip(exe.program.tasks, exe.fns, strict=True):
+        args = []
+        for k in task.in_keys:
+            sharding = exe.sharding(k, task.stage)
+            shape = k[0].aval.shape
+            if len(sharding.spec) == len(shape) + 1:  # a stacked accumulator
+                shape = (math.prod(sharding.mesh.shape[a] for a in entry_axes(sharding.spec[0])), *shape)
+            args.append(jax.ShapeDtypeStruct(shape, k[0].aval.dtype, sharding=sharding))
+        hlo = fn.lower(*args).compile().as_text()
+        found.append((task.repeated, [(m[2], m[1]) for m in COLLECTIVE.finditer(hlo)]))
+    return found
+
+
+def _weight_shaped(collectives, shapes):
+    """The collectives with a result (or a combined result's part) of one of ``shapes``."""
+    return [c for c in collectives if set(re.findall(r"\[[0-9,]*\]", c[1])) & set(shapes)]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, config, batch, weights",
+    [
+        # Data parallel: every weight gradient contracts the batch split over all 8 devices.
+        # Per device: the activations have 512 rows; the gradients are whole.
+        (
+            (8,),
+            MLPConfig(features=(64,), in_features=64, num_classes=16),
+            16384,
+            ("[64,64]", "[64,16]", "[16,64]"),
+        ),
+        # Data x tensor parallel: the gradients of the split weights are split over "model"
+        # and summed over "data". Per device: the activations have 192 or 384 rows, the
+        # kernels' gradients are 256 x 256 blocks.
+        ((2, 4), MLPConfig(features=(1024,), in_features=256, num_classes=256), 1536, ("[256,256]",)),
+    ],
+)
+def test_weight_gradients_are_reduced_once_per_step(mesh_shape, config, batch, weights):
+    step, state = train.setup("mlp", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("mlp", config, batch, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=mesh_shape
+    )
+    exe = par.executable(state, batches[0])
+    sums = exe.deferred[0]
+    assert sums.accumulators, exe.shardings[0].partial_sums
+    tasks = _task_collectives(exe)
+    per_microbatch = [c for repeated, cs in tasks if repeated for c in cs]
+    once = [c for repeated, cs in tasks if not repeated for c in cs]
+    # The gradients' all-reduces left the microbatches' tasks for the step's last task.
+    assert not _weight_shaped(per_microbatch, weights), per_microbatch
+    assert [c for c in once if c[0] == "all-reduce"], once
+
+
+def test_one_microbatch_defers_nothing():
+    config = MLPConfig(features=(64,), in_features=64, num_classes=16)
+    step, state = train.setup("mlp", "linen", config, OPTIMIZERS["sgd"]())
+    batches = [train.make_batch("mlp", config, 16384, seed=i) for i in range(2)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(8,)
+    )
+    exe = par.executable(state, batches[0])
+    assert exe.shardings[0].partial_sums  # the layout leaves partial sums ...
+    assert exe.deferred[0] is deferred.NONE  # ... but with one microbatch there is nothing to defer
+
+
+def test_reduced_axes():
+    names = ("data", "model")
+    # Weight gradient of a column-split layer: the batch (contracted) over data.
+    assert deferred.reduced_axes([("data", None), ("data", "model")], (None, "model"), names) == ("data",)
+    # Batch split over both axes and contracted: partial sums over both, major first.
+    assert deferred.reduced_axes([(("data", "model"), None)], (None,), names) == ("data", "model")
+    # Nothing contracted is split: no partial sums.
+    assert deferred.reduced_axes([("data", None), (None, "model")], ("data", "model"), names) == ()
