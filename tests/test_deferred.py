@@ -8,6 +8,7 @@ import jax
 import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
+import autopar
 from autopar._src import deferred
 from autopar._src.collectives import entry_axes
 from models import train
@@ -91,3 +92,22 @@ def test_reduced_axes():
     assert deferred.reduced_axes([(("data", "model"), None)], (None,), names) == ("data", "model")
     # Nothing contracted is split: no partial sums.
     assert deferred.reduced_axes([("data", None), (None, "model")], ("data", "model"), names) == ()
+
+
+def test_gradients_split_over_a_summed_axis_are_not_deferred():
+    """A gradient laid out split over the axis its partial sums are over would need its whole
+    block per device to stay stacked: it is reduce-scattered each microbatch instead."""
+    config = MLPConfig(features=(64,), in_features=64, num_classes=16)
+    step, state = train.setup("mlp", "linen", config, OPTIMIZERS["sgd"]())
+    batch = train.make_batch("mlp", config, 16384, seed=0)
+    exe = autopar.autoparallel(step, num_stages=1, num_microbatches=4, mesh_shape=(8,)).executable(
+        state, batch
+    )
+    chosen, kept = exe.shardings[0], exe.deferred[0]
+    assert kept.accumulators
+    total = next(iter(kept.accumulators))
+    specs = dict(chosen.specs)
+    specs[total] = ("data",) + tuple(specs[total])[1:]  # the gradient's first dim split over data
+    again = deferred.deferred_sums(exe.program.tasks, 0, chosen.partial_sums, specs)
+    assert total not in again.accumulators
+    assert set(again.accumulators) == set(kept.accumulators) - {total}

@@ -14,7 +14,7 @@ holds as many bytes as the reduced one. Megatron-LM and Alpa accumulate the same
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from autopar._src import compat
 from autopar._src.collectives import Axes, Spec, entry_axes
+from autopar._src.layout_costs import spec_axes
 from autopar._src.program import Key, Task
 
 PARTIAL_SUM_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
@@ -76,16 +77,38 @@ class Deferred:
 NONE = Deferred({}, {})
 
 
-def deferred_sums(tasks: Sequence[Task], stage: int, partial_sums: dict[Any, Any]) -> Deferred:
+def deferred_sums(
+    tasks: Sequence[Task], stage: int, partial_sums: Mapping[Any, Any], specs: Mapping[Any, Spec]
+) -> Deferred:
     """The gradients of ``stage`` whose reduction can wait for the last microbatch.
 
     A region output qualifies when its per-microbatch value is made in the task that adds it
     to its accumulator, read by nothing else, by a chain of :data:`LINEAR_PRIMITIVES` from an
     equation whose layout leaves partial sums (``partial_sums``: the sharding ILP's
-    :attr:`~autopar._src.intra_op.StageSharding.partial_sums`), each link read only by the next.
+    :attr:`~autopar._src.intra_op.StageSharding.partial_sums`), each link read only by the next,
+    and neither the links nor the region output split over a summed axis (``specs``): a
+    gradient laid out that way is reduce-scattered each microbatch, since its stacked sum
+    would need more memory than the plan gives it.
     """
     values: dict[Any, Stacked] = {}
     accumulators: dict[Any, Stacked] = {}
+    for root, links, total in gradient_chains(tasks, stage, partial_sums.__contains__):
+        operand_specs, axes = partial_sums[root]
+        if any(set(axes) & spec_axes(specs.get(v, ())) for v in (*links, total)):
+            continue  # split over a summed axis on the way: reduce-scatter each microbatch
+        values[root] = Stacked(axes, operand_specs)
+        values.update((v, Stacked(axes)) for v in links)
+        accumulators[total] = Stacked(axes)
+    return Deferred(values, accumulators)
+
+
+def gradient_chains(
+    tasks: Sequence[Task], stage: int, is_partial: Callable[[Any], bool]
+) -> list[tuple[Any, list[Any], Any]]:
+    """``(root, links, region output)`` of every gradient of ``stage`` that is made as partial
+    sums: ``root`` by an equation of :data:`PARTIAL_SUM_PRIMITIVES` (for which ``is_partial``
+    holds), ``links`` by linear equations from it, the last one the region output's value."""
+    chains = []
     for task in tasks:
         if task.stage != stage:
             continue
@@ -101,19 +124,14 @@ def deferred_sums(tasks: Sequence[Task], stage: int, partial_sums: dict[Any, Any
         for op in task.ops:
             if op.kind != "acc" or op.mode != "add":
                 continue
-            chain = _partial_chain(op.ins[1], made, reads, partial_sums)
-            if chain is None:
-                continue
-            root, *links = chain
-            specs, axes = partial_sums[root]
-            values[root] = Stacked(axes, specs)
-            values.update((v, Stacked(axes)) for v in links)
-            accumulators[op.outs[0][0]] = Stacked(axes)
-    return Deferred(values, accumulators)
+            chain = _partial_chain(op.ins[1], made, reads, is_partial)
+            if chain is not None:
+                chains.append((chain[0], chain[1:], op.outs[0][0]))
+    return chains
 
 
 def _partial_chain(
-    key: Any, made: dict[Key, Any], reads: dict[Key, int], partial_sums: dict[Any, Any]
+    key: Any, made: dict[Key, Any], reads: dict[Key, int], is_partial: Callable[[Any], bool]
 ) -> list[Any] | None:
     """Variables from a partial-sum equation's result to ``key``'s, or None."""
     chain: list[Any] = []
@@ -123,7 +141,7 @@ def _partial_chain(
             return None
         chain.append(key[0])
         name = op.eqn.primitive.name
-        if name in PARTIAL_SUM_PRIMITIVES and key[0] in partial_sums:
+        if name in PARTIAL_SUM_PRIMITIVES and is_partial(key[0]):
             return chain[::-1]
         if name not in LINEAR_PRIMITIVES or len(op.ins) != 1:
             return None

@@ -191,7 +191,7 @@ class Executable:
                 last_read[ins.task] = {loc[0] for loc in ins.frees}
         inner = [self._inner_pins(stage) for stage in range(len(self.meshes))]
         self.deferred: list[deferred.Deferred] = [
-            deferred.deferred_sums(self.program.tasks, stage, chosen.partial_sums)
+            deferred.deferred_sums(self.program.tasks, stage, chosen.partial_sums, chosen.specs)
             if (chosen := self._stage_sharding(stage)) is not None and self.plan.num_microbatches > 1
             else deferred.NONE
             for stage in range(len(self.meshes))
