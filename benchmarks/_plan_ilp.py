@@ -11,7 +11,10 @@ into layers and profiled. Each layer is then priced on every logical mesh twice 
   than under Megatron's layouts (so the stage DP's memory model, which divides the state by
   the tensor-parallel degree, holds for both).
 
-Gradients are accumulated over the microbatches and reduced once per step on both sides. The
+Gradients are accumulated over the microbatches and reduced once per step on both sides, with
+every collective that finishes a gradient paid once (``gradients="megatron"``, Megatron-LM's
+accounting; autopar's driver defers only the all-reduces of partial sums, see
+``autopar._src.deferred``). The
 stage DP then plans autopar on the first costs and the grids are read off the second; the
 memory arrays are the same analytic ones.
 
@@ -78,7 +81,7 @@ def step_bound(traced, spec, *, num_microbatches: int, dtype: str) -> float:
     from autopar._src import layer_sharding
 
     one = layer_sharding.layer_latency(
-        traced, spec, [(1, 1)], [[(1, 1)]], dtype=dtype, microbatches=num_microbatches
+        traced, spec, [(1, 1)], [[(1, 1)]], dtype=dtype, microbatches=num_microbatches, gradients="megatron"
     )
     return float(one.sum()) * num_microbatches / spec.num_devices
 
@@ -103,7 +106,7 @@ def ilp_costs(
     pinned = free.copy()
     for k, q in priced_meshes(submeshes, logical, spec.devices_per_host):
         where = ([submeshes[k]], [[logical[k][q]]])
-        common = dict(dtype=dtype, microbatches=num_microbatches)
+        common = dict(dtype=dtype, microbatches=num_microbatches, gradients="megatron")
         pinned[:, k, q] = layer_sharding.layer_latency(traced, spec, *where, fixed=layouts, **common)[:, 0, 0]
         free[:, k, q] = layer_sharding.layer_latency(traced, spec, *where, memory_like=layouts, **common)[
             :, 0, 0

@@ -26,14 +26,7 @@ def _mlp(config, batch_size, opt="adamw"):
 
 def _hlo(exe):
     """Compiled HLO text of every task."""
-    texts = []
-    for task, fn in zip(exe.program.tasks, exe.fns, strict=True):
-        args = [
-            jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, task.stage))
-            for k in task.in_keys
-        ]
-        texts.append(fn.lower(*args).compile().as_text())
-    return "\n".join(texts)
+    return "\n".join(fn.lower(*exe.abstract_inputs(i)).compile().as_text() for i, fn in enumerate(exe.fns))
 
 
 def _collectives(hlo, op_name=None):

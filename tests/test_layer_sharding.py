@@ -8,7 +8,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import autopar
 from autopar._src import cluster as cluster_mod
-from autopar._src import layer_sharding, planning, trace
+from autopar._src import deferred, layer_sharding, planning, trace
 from autopar._src.intra_op import logical_mesh
 from autopar._src.layout_costs import shape_of
 from models import train
@@ -57,16 +57,36 @@ def test_gradient_tail_ends_at_the_weight_gradient_reductions():
     assert tails == len(kernels)
 
 
+def test_every_mlp_gradient_is_made_as_partial_sums():
+    traced, _, _ = _traced("mlp", 48, features=(32, 32))
+    problems = layer_sharding.LayerProblems(traced)
+    roots = {}
+    for ops in problems.ops:
+        made = {n: op.eqn.primitive.name for op in ops for n in op.outs if n is not None}
+        for root, links, grad in deferred.graph_chains(ops, problems.carried):
+            assert (links[-1] if links else root) == grad
+            roots[grad] = made[root]
+    # Kernels from the batch-contracting matmul, biases from the sum over the batch.
+    assert set(roots) == set(problems.carried)
+    kernels = {g for g, p in problems.carried.items() if len(shape_of(p)) == 2}
+    assert {roots[g] for g in kernels} == {"dot_general"}
+    assert {roots[g] for g in set(roots) - kernels} == {"reduce_sum"}
+
+
 def test_gradient_reductions_are_spread_over_microbatches():
     # Large weights, a small batch: the gradient all-reduce dominates a data-parallel layer.
     traced, _, _ = _traced("mlp", 4096, features=(512, 512), in_features=512)
     spec = cluster_mod.preset("cpu")
-    one, four = (
-        layer_sharding.layer_latency(traced, spec, [(1, 8)], [[(8, 1)]], microbatches=b)[:, 0, 0]
-        for b in (1, 4)
+    one, four, four_megatron = (
+        layer_sharding.layer_latency(traced, spec, [(1, 8)], [[(8, 1)]], microbatches=b, gradients=g)[:, 0, 0]
+        for b, g in ((1, "autopar"), (4, "autopar"), (4, "megatron"))
     )
     # (A layer may avoid the reduction altogether: e.g. its weight split by columns.)
     assert (four <= one).all() and four.sum() < one.sum()
+    # Megatron's accounting also spreads reduce-scatters and the resharding into the
+    # parameters' layouts; here the driver defers every reduction the layouts need.
+    assert (four_megatron <= four * (1 + 1e-9)).all()
+    np.testing.assert_allclose(four_megatron.sum(), four.sum(), rtol=0.05)
     # No more than the reduction saved: 3/4 of one all-reduce of every gradient.
     mesh = logical_mesh(spec, (8, 1), layer_sharding.AXES)
     grad_bytes = 4 * sum(int(np.prod(shape_of(g))) for g in layer_sharding.LayerProblems(traced).carried)
@@ -113,7 +133,7 @@ def test_pinned_layouts_and_the_memory_bound_of_the_free_layouts():
     mesh = logical_mesh(spec, (1, 8), layer_sharding.AXES)
     pinned = problems.fixed(kernels, mesh)
     for ops, ties in zip(problems.ops, problems.ties, strict=True):
-        key = (layer_sharding._signature(ops, pinned, problems.carried, ties), mesh, 1)
+        key = (layer_sharding._signature(ops, pinned, problems.carried, ties), mesh, 1, "autopar")
         (seconds, memory), bounded = layer_sharding._CACHE[key], layer_sharding._CACHE[(key, "memory_like")]
         assert bounded[1] <= memory * (1 + 1e-6) and bounded[0] <= seconds
     with pytest.raises(ValueError, match="not both"):

@@ -141,7 +141,7 @@ def auto_plan(
                 step, batch_ids, batch_size // num_microbatches, measured_devices, sizes, cache=cost_cache
             )
 
-        def sharded_for(traced: trace.TracedStep) -> Any:
+        def sharded_for(traced: trace.TracedStep, nmb: int) -> Any:
             if not sharding_costs:
                 return None
             from autopar._src import layer_sharding
@@ -152,7 +152,7 @@ def auto_plan(
                 for m in submeshes
             )
             return layer_sharding.layer_latency(
-                traced, spec, submeshes, logical, dtype=prof.dtype, platform=platform
+                traced, spec, submeshes, logical, dtype=prof.dtype, platform=platform, microbatches=nmb
             )
 
         sharded = None
@@ -176,7 +176,7 @@ def auto_plan(
         # before the ILP prices its layers.
         if num_microbatches is not None and sharding_costs:
             solve(num_microbatches, 1.0)
-            sharded = sharded_for(step)
+            sharded = sharded_for(step, num_microbatches)
         if num_microbatches is None:
             candidates = planner.microbatch_candidates(batch_size) if batch_size else (1,)
             nmb, _ = stages.choose_num_microbatches(candidates, lambda b: solve(b, 1.0 / b)[0])
@@ -193,7 +193,7 @@ def auto_plan(
                 prof = profile.layer_profile(step, tuple(batch_ids))
                 cuts, flops, fingerprint = region_layers(step)
                 scale = 1.0
-            sharded = sharded_for(step)
+            sharded = sharded_for(step, nmb)
             flops = tuple(f * scale for f in flops)
         else:
             nmb, scale = num_microbatches, 1.0

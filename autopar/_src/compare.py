@@ -170,12 +170,8 @@ def compare(
             t_man.append(t3 - t2)
     exe = par.executable(state, batches[0])
     autopar_memory = 0
-    for task, f in zip(exe.program.tasks, exe.fns, strict=True):
-        avals = [
-            jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, task.stage))
-            for k in task.in_keys
-        ]
-        autopar_memory = max(autopar_memory, _footprint(f.lower(*avals).compile()))
+    for i, f in enumerate(exe.fns):
+        autopar_memory = max(autopar_memory, _footprint(f.lower(*exe.abstract_inputs(i)).compile()))
     manual_memory = _footprint(
         jitted.lower(
             jax.device_put(state, state_sh), jax.device_put(batches[0], manual.in_shardings[1])

@@ -14,17 +14,22 @@ holds as many bytes as the reduced one. Megatron-LM and Alpa accumulate the same
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from autopar._src import compat
 from autopar._src.collectives import Axes, Spec, entry_axes
 from autopar._src.layout_costs import spec_axes
-from autopar._src.program import Key, Task
+from autopar._src.program import Task
+from autopar._src.sharding_ilp import Edge, Node
+from autopar._src.strategy_graph import GraphOp
 
 PARTIAL_SUM_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
 """Primitives whose result on local blocks is a partial sum of the result's block when a
@@ -58,6 +63,10 @@ class Stacked:
     def entry(self) -> Axes:
         """The stacked dim's spec entry."""
         return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    def size(self, mesh: Mesh) -> int:
+        """Length of the stacked dim: one partial sum per device along the summed axes."""
+        return math.prod(mesh.shape[a] for a in self.axes)
 
     def spec(self, base: Spec) -> PartitionSpec:
         """The spec of the stacked value whose reduced value has spec ``base``."""
@@ -107,45 +116,54 @@ def gradient_chains(
 ) -> list[tuple[Any, list[Any], Any]]:
     """``(root, links, region output)`` of every gradient of ``stage`` that is made as partial
     sums: ``root`` by an equation of :data:`PARTIAL_SUM_PRIMITIVES` (for which ``is_partial``
-    holds), ``links`` by linear equations from it, the last one the region output's value."""
+    holds), ``links`` by linear equations from it, the last one the value the accumulator adds."""
     chains = []
     for task in tasks:
         if task.stage != stage:
             continue
-        made: dict[Key, Any] = {}
-        reads: dict[Key, int] = {k: 1 for k in task.out_keys}
-        for op in task.ops:
-            for k in op.ins:
-                if isinstance(k, tuple):
-                    reads[k] = reads.get(k, 0) + 1
-            for k in op.outs:
-                if k is not None:
-                    made[k] = op
-        for op in task.ops:
-            if op.kind != "acc" or op.mode != "add":
-                continue
+        adds = [op for op in task.ops if op.kind == "acc" and op.mode == "add"]
+        made = {op.outs[0]: (op.eqn, op.ins) for op in task.ops if op.kind == "eqn" and len(op.outs) == 1}
+        reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
+        reads.update(task.out_keys)
+        for op in adds:
             chain = _partial_chain(op.ins[1], made, reads, is_partial)
             if chain is not None:
-                chains.append((chain[0], chain[1:], op.outs[0][0]))
+                chains.append((chain[0][0], [k[0] for k in chain[1:]], op.outs[0][0]))
+    return chains
+
+
+def graph_chains(ops: Sequence[GraphOp], grads: Iterable[Any]) -> list[tuple[Any, list[Any], Any]]:
+    """:func:`gradient_chains` of one microbatch's equations (named values, see
+    :class:`~autopar._src.strategy_graph.GraphOp`), for the gradients ``grads``."""
+    made = {op.outs[0]: (op.eqn, op.ins) for op in ops if len(op.outs) == 1 and op.outs[0] is not None}
+    reads = Counter(name for op in ops for name in op.ins if name is not None)
+    chains = []
+    for g in grads:
+        chain = _partial_chain(g, made, reads, lambda name: True)
+        if chain is not None:
+            chains.append((chain[0], chain[1:], g))
     return chains
 
 
 def _partial_chain(
-    key: Any, made: dict[Key, Any], reads: dict[Key, int], is_partial: Callable[[Any], bool]
+    name: Any,
+    made: Mapping[Any, tuple[Any, Sequence[Any]]],
+    reads: Mapping[Any, int],
+    is_partial: Callable[[Any], bool],
 ) -> list[Any] | None:
-    """Variables from a partial-sum equation's result to ``key``'s, or None."""
+    """Names from a partial-sum equation's result to ``name`` (read by nothing but the sum it
+    is added to), each link read only by the next; None if there is no such chain."""
     chain: list[Any] = []
-    while isinstance(key, tuple) and key in made and reads.get(key, 0) == 1:
-        op = made[key]
-        if op.kind != "eqn" or len(op.outs) != 1:
-            return None
-        chain.append(key[0])
-        name = op.eqn.primitive.name
-        if name in PARTIAL_SUM_PRIMITIVES and is_partial(key[0]):
+    while name in made and reads.get(name, 0) == (1 if chain else 0):
+        eqn, ins = made[name]
+        chain.append(name)
+        if eqn.primitive.name in PARTIAL_SUM_PRIMITIVES and is_partial(
+            name[0] if isinstance(name, tuple) else name
+        ):
             return chain[::-1]
-        if name not in LINEAR_PRIMITIVES or len(op.ins) != 1:
+        if eqn.primitive.name not in LINEAR_PRIMITIVES or len(ins) != 1:
             return None
-        key = op.ins[0]
+        name = ins[0]
     return None
 
 
@@ -166,16 +184,60 @@ def bind(eqn: Any, vals: list[Any], stacked: Stacked, out_spec: Spec, mesh: Mesh
     )(*[jnp.asarray(v) for v in vals])
 
 
-def zeros(aval: Any, stacked: Stacked | None, mesh: Mesh) -> Any:
-    """The start of a running sum: zeros of ``aval``, stacked when the sum is."""
-    if stacked is None:
+def zeros(aval: Any, stacked: Stacked | None, mesh: Mesh | None) -> Any:
+    """The start of a running sum: zeros of ``aval``, stacked over ``mesh`` when the sum is."""
+    if stacked is None or mesh is None:
         return jnp.zeros(aval.shape, aval.dtype)
-    n = 1
-    for a in stacked.axes:
-        n *= mesh.shape[a]
-    return jnp.zeros((n, *aval.shape), aval.dtype)
+    return jnp.zeros((stacked.size(mesh), *aval.shape), aval.dtype)
 
 
 def finish(total: Any, stacked: Stacked | None) -> Any:
     """The reduced value of a running sum: the stacked partial sums added up."""
     return total if stacked is None else jnp.sum(total, axis=0)
+
+
+def priced_once(
+    nodes: Sequence[Node],
+    edges: Sequence[Edge],
+    producer: Mapping[Any, tuple[int, int]],
+    chains: Sequence[tuple[Any, list[Any], Any]],
+    runs: Mapping[Any, int],
+    axis_names: Sequence[str],
+) -> tuple[tuple[Node, ...], tuple[Edge, ...]]:
+    """The strategy graph with each gradient's partial-sum all-reduce priced once per step, as
+    the driver runs it (``chains`` from :func:`gradient_chains`, ``runs``: runs per step of
+    each value's equation). Where the first link splits over a summed axis the driver reduces
+    each microbatch, so that pair of choices gets the difference back on its edge."""
+    nodes, edges = list(nodes), list(edges)
+    at_edge = {(e.src, e.dst): k for k, e in enumerate(edges)}
+    for root, links, _ in chains:
+        runs_per_step = runs.get(root, 1)
+        if root not in producer or runs_per_step <= 1:
+            continue
+        i = producer[root][0]
+        summed = [
+            set(reduced_axes(s.input_specs, s.output_specs[0], axis_names)) for s in nodes[i].strategies
+        ]
+        saved = np.array(
+            [
+                s.communication_cost * (1 - 1 / runs_per_step) if ax else 0.0
+                for s, ax in zip(nodes[i].strategies, summed, strict=True)
+            ]
+        )
+        nodes[i] = Node(
+            name=nodes[i].name,
+            strategies=tuple(
+                dataclasses.replace(s, communication_cost=s.communication_cost - d)
+                for s, d in zip(nodes[i].strategies, saved, strict=True)
+            ),
+        )
+        if links and links[0] in producer and (i, producer[links[0]][0]) in at_edge:
+            k = at_edge[(i, producer[links[0]][0])]
+            clash = np.array(
+                [
+                    [bool(ax & spec_axes(t.output_specs[0])) for t in nodes[edges[k].dst].strategies]
+                    for ax in summed
+                ]
+            )
+            edges[k] = Edge(src=edges[k].src, dst=edges[k].dst, cost=edges[k].cost + clash * saved[:, None])
+    return tuple(nodes), tuple(edges)

@@ -55,7 +55,7 @@ def stage_meshes(plan: Plan, devices: Sequence[Any]) -> list[Mesh]:
     return meshes
 
 
-def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh) -> Any:
+def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh | None) -> Any:
     if op.mode == "zeros":
         return deferred.zeros(op.aval, stacked, mesh)
     if op.mode == "add":
@@ -106,13 +106,13 @@ def _run_pinned(body: Any, inner: dict[Inner, NamedSharding], here: tuple[int, .
 
 def _task_fn(
     task: Task,
-    mesh: Mesh,
     pins: dict[Key, NamedSharding],
     inner: dict[Inner, NamedSharding] | None = None,
     sums: deferred.Deferred = deferred.NONE,
+    mesh: Mesh | None = None,
 ) -> Callable[..., tuple[Any, ...]]:
     """The function a task's executable runs: its ops in order, outputs pinned to ``pins``,
-    values inside calls to ``inner``; ``sums`` are kept as stacked partial sums."""
+    values inside calls to ``inner``; ``sums`` are kept as stacked partial sums over ``mesh``."""
     ops, in_keys, out_keys, inner = task.ops, task.in_keys, task.out_keys, inner or {}
 
     def fn(*args: Any) -> tuple[Any, ...]:
@@ -205,7 +205,7 @@ class Executable:
             if sig not in cache:
                 mesh = self.meshes[t.stage]
                 cache[sig] = jax.jit(
-                    _task_fn(t, mesh, self._pins(t), inner[t.stage], self.deferred[t.stage]),
+                    _task_fn(t, self._pins(t), inner[t.stage], self.deferred[t.stage], mesh),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
                     out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
                     donate_argnums=donate,
@@ -268,6 +268,19 @@ class Executable:
     def sharding(self, key: Key, stage: int) -> NamedSharding:
         """``NamedSharding`` of ``key`` on ``stage``'s mesh."""
         return NamedSharding(self.meshes[stage], self.spec(key, stage))
+
+    def abstract(self, key: Key, stage: int) -> jax.ShapeDtypeStruct:
+        """Shape, dtype and sharding of ``key`` as ``stage``'s tasks hold it (a stacked running
+        sum has its partial sums' dim first, see :mod:`~autopar._src.deferred`)."""
+        aval = key[0].aval
+        stacked = self.deferred[stage].accumulators.get(key[0]) if _is_accumulator(key) else None
+        shape = tuple(aval.shape) if stacked is None else (stacked.size(self.meshes[stage]), *aval.shape)
+        return jax.ShapeDtypeStruct(shape, aval.dtype, sharding=self.sharding(key, stage))
+
+    def abstract_inputs(self, task_index: int) -> list[jax.ShapeDtypeStruct]:
+        """:meth:`abstract` of every input of a task: what its executable is lowered for."""
+        task = self.program.tasks[task_index]
+        return [self.abstract(k, task.stage) for k in task.in_keys]
 
     # -- running -----------------------------------------------------------------------------
     def _compile_instr(self, ins: Any) -> tuple[Any, ...]:

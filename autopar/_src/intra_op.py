@@ -176,6 +176,9 @@ def solve_stage(
     made = {name for op in ops for name in op.outs if name is not None}
     nodes = inputs_memory_only(nodes, producer, made)
     nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)
+    runs = {name: op.weight for op in ops for name in op.outs if name is not None}
+    chains = deferred.gradient_chains(program.tasks, stage, lambda v: True)
+    nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution, groups = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)
     specs = {
         name: nodes[i].strategies[solution.choices[i]].output_specs[k] for name, (i, k) in producer.items()

@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, layers, partition
+from autopar._src import compat, deferred, layers, partition
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
@@ -131,6 +131,10 @@ def _signature(
     return structure, pins, grads, loops
 
 
+Gradients = Literal["autopar", "megatron"]
+"""Which gradient collectives a layer's price pays once per step rather than per microbatch."""
+
+
 def gradient_tail(ops: Sequence[GraphOp], grads: Sequence[Any]) -> set[int]:
     """Indices of the ops that finish the gradients ``grads``: walking back from each gradient
     through inputs as large as the op's output (casts, transposes, sums of contributions) to
@@ -166,12 +170,17 @@ def _solve(
     memory_budget: float | None,
     time_limit: float,
     microbatches: int,
+    gradients: Gradients,
 ) -> tuple[float, float]:
     """``(seconds, bytes of the layer's inputs per device)`` of the layer's best sharding."""
     nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=ties)
     nodes = inputs_memory_only(nodes, producer, {name for op in ops for name in op.outs if name is not None})
-    if microbatches > 1:
+    if microbatches > 1 and gradients == "megatron":
         nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
+    elif microbatches > 1:
+        chains = deferred.graph_chains(ops, carried)
+        runs = {root: microbatches for root, _, _ in chains}
+        nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)[0]
     return solution.objective, total_memory(nodes, solution.choices)
 
@@ -227,6 +236,7 @@ def layer_latency(
     fixed: Mapping[int, Spec] | None = None,
     memory_like: Mapping[int, Spec] | None = None,
     microbatches: int = 1,
+    gradients: Gradients = "autopar",
 ) -> np.ndarray:
     """Seconds of one microbatch's forward and backward of each layer, ``[layer, submesh, logical]``.
 
@@ -234,8 +244,12 @@ def layer_latency(
     over the axes ``("data", "model")``; an axis that does not divide a dim is dropped from
     it. ``fixed`` pins those arguments' layouts. ``memory_like`` bounds each layer's input
     bytes per device by what they take when those arguments are pinned (the layouts
-    themselves stay free). With ``microbatches`` > 1 the step traced one microbatch and the
-    gradients' collectives are spread over the step's microbatches (see :func:`gradient_tail`).
+    themselves stay free). With ``microbatches`` > 1 the step traced one microbatch of that
+    many, and some gradient collectives are paid once per step: with ``gradients="autopar"``
+    the all-reduces of partial sums that autopar's driver defers to the last microbatch
+    (:func:`~autopar._src.deferred.priced_once`); with ``"megatron"`` every collective that
+    finishes a gradient and its resharding into the parameter's layout (:func:`gradient_tail`),
+    as Megatron-LM, which accumulates before it reduces, pays them.
     Entries for logical meshes a submesh does not have are ``inf``.
 
     Raises:
@@ -251,17 +265,19 @@ def layer_latency(
             mesh = logical_mesh(spec, tuple(shape), AXES, dtype, platform=platform)
             pinned = problems.fixed(fixed or memory_like, mesh)
             for i, (ops, ties) in enumerate(zip(problems.ops, problems.ties, strict=True)):
-                key = (_signature(ops, pinned, problems.carried, ties), mesh, microbatches)
+                key = (_signature(ops, pinned, problems.carried, ties), mesh, microbatches, gradients)
                 if key not in _CACHE:
                     _CACHE[key] = _solve(
-                        ops, ties, mesh, problems.carried, pinned, None, time_limit, microbatches
+                        ops, ties, mesh, problems.carried, pinned, None, time_limit, microbatches, gradients
                     )
                 seconds, memory = _CACHE[key]
                 if memory_like:
                     free_key = (key, "memory_like")
                     if free_key not in _CACHE:
                         budget = memory * (1 + 1e-9)
-                        free = _solve(ops, ties, mesh, problems.carried, {}, budget, time_limit, microbatches)
+                        free = _solve(
+                            ops, ties, mesh, problems.carried, {}, budget, time_limit, microbatches, gradients
+                        )
                         # The pinned layouts are one of the free problem's answers: a time-limited
                         # solve that found worse keeps them.
                         _CACHE[free_key] = min(free, (seconds, memory))

@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-
 from autopar._src import cost
 from autopar._src.driver import Executable
 from autopar._src.program import Key, Run, Transfer
@@ -38,19 +36,14 @@ class MemoryTrace:
 
 def device_bytes(exe: Executable, key: Key, stage: int) -> float:
     """Bytes one device of ``stage`` holds of ``key`` under its sharding."""
-    sharding = exe.sharding(key, stage)
-    shape = sharding.shard_shape(tuple(key[0].aval.shape))
+    held = exe.abstract(key, stage)
+    shape = held.sharding.shard_shape(held.shape)
     return float(cost.aval_bytes(key[0].aval.update(shape=shape)))
 
 
 def _temporaries(exe: Executable, task_index: int) -> float:
-    t = exe.program.tasks[task_index]
     fn = exe.fns[task_index]
-    abstract = [
-        jax.ShapeDtypeStruct(k[0].aval.shape, k[0].aval.dtype, sharding=exe.sharding(k, t.stage))
-        for k in t.in_keys
-    ]
-    return float(fn.lower(*abstract).compile().memory_analysis().temp_size_in_bytes)
+    return float(fn.lower(*exe.abstract_inputs(task_index)).compile().memory_analysis().temp_size_in_bytes)
 
 
 def compiled_peak(exe: Executable, stage: int) -> MemoryTrace:
