@@ -116,7 +116,8 @@ def gradient_chains(
 ) -> list[tuple[Any, list[Any], Any]]:
     """``(root, links, region output)`` of every gradient of ``stage`` that is made as partial
     sums: ``root`` by an equation of :data:`PARTIAL_SUM_PRIMITIVES` (for which ``is_partial``
-    holds), ``links`` by linear equations from it, the last one the value the accumulator adds."""
+    holds for its variable), ``links`` by linear equations from it, the last one the value the
+    accumulator adds."""
     chains = []
     for task in tasks:
         if task.stage != stage:
@@ -126,7 +127,7 @@ def gradient_chains(
         reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
         reads.update(task.out_keys)
         for op in adds:
-            chain = _partial_chain(op.ins[1], made, reads, is_partial)
+            chain = _partial_chain(op.ins[1], made, reads, lambda k: is_partial(k[0]))
             if chain is not None:
                 chains.append((chain[0][0], [k[0] for k in chain[1:]], op.outs[0][0]))
     return chains
@@ -157,9 +158,7 @@ def _partial_chain(
     while name in made and reads.get(name, 0) == (1 if chain else 0):
         eqn, ins = made[name]
         chain.append(name)
-        if eqn.primitive.name in PARTIAL_SUM_PRIMITIVES and is_partial(
-            name[0] if isinstance(name, tuple) else name
-        ):
+        if eqn.primitive.name in PARTIAL_SUM_PRIMITIVES and is_partial(name):
             return chain[::-1]
         if eqn.primitive.name not in LINEAR_PRIMITIVES or len(ins) != 1:
             return None
