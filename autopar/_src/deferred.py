@@ -155,7 +155,9 @@ def _partial_chain(
     """Names from a partial-sum equation's result to ``name`` (read by nothing but the sum it
     is added to), each link read only by the next; None if there is no such chain."""
     chain: list[Any] = []
-    while name in made and reads.get(name, 0) == (1 if chain else 0):
+    while name is not None and not compat.is_literal(name) and name in made:
+        if reads.get(name, 0) != (1 if chain else 0):
+            return None
         eqn, ins = made[name]
         chain.append(name)
         if eqn.primitive.name in PARTIAL_SUM_PRIMITIVES and is_partial(name):
