@@ -117,3 +117,20 @@ def test_gpu_single_tiny_ends_with_mfu(tmp_path):
     assert 0 < float(match[1]) < float("inf")
     [md] = os.listdir(tmp_path)
     assert md.startswith("gpu_single_") and "jax.jit" in (tmp_path / md).read_text()
+
+
+def test_gradient_reductions_tiny_defers_and_ends_with_the_speedup(tmp_path):
+    lines = _run(
+        "gradient_reductions.py", "--hidden", "128", "--batch-size", "1024", "--microbatches", "2",
+        "--rounds", "2", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    match = re.fullmatch(r"deferred_speedup=(\S+)", lines[-1])
+    assert match, lines[-1]
+    assert 0 < float(match[1]) < float("inf")
+    [md] = os.listdir(tmp_path)
+    text = (tmp_path / md).read_text()
+    # Deferred: one all-reduce per microbatch (the loss) and one for the gradients; per
+    # microbatch: the gradients' too in each of the two backward tasks.
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| autopar")]
+    assert [int(r[1]) for r in rows] == [3, 4], rows
+    assert "gradients kept as partial sums: 6 of 6" in text

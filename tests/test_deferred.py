@@ -1,6 +1,7 @@
 """Gradient all-reduces deferred to the last microbatch: equal to ``jax.jit``, and the compiled
 per-microbatch tasks issue no weight-gradient collective."""
 
+import dataclasses
 import re
 
 import pytest
@@ -41,8 +42,14 @@ def _weight_shaped(collectives, shapes):
         ),
         # Data x tensor parallel: the gradients of the split weights are split over "model"
         # and summed over "data". Per device: the activations have 192 or 384 rows, the
-        # kernels' gradients are 256 x 256 blocks.
-        ((2, 4), MLPConfig(features=(1024,), in_features=256, num_classes=256), 1536, ("[256,256]",)),
+        # kernels' gradients are 256 x 256 blocks (reduced per microbatch, XLA all-reduces
+        # the whole 256 x 1024 kernel gradient before it slices the block).
+        (
+            (2, 4),
+            MLPConfig(features=(1024,), in_features=256, num_classes=256),
+            1536,
+            ("[256,256]", "[256,1024]", "[1024,256]"),
+        ),
     ],
 )
 def test_weight_gradients_are_reduced_once_per_step(mesh_shape, config, batch, weights):
@@ -60,6 +67,9 @@ def test_weight_gradients_are_reduced_once_per_step(mesh_shape, config, batch, w
     # The gradients' all-reduces left the microbatches' tasks for the step's last task.
     assert not _weight_shaped(per_microbatch, weights), per_microbatch
     assert [c for c in once if c[0] == "all-reduce"], once
+    # Run without deferring, the same plan reduces them in every microbatch's backward.
+    eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
+    assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], weights)
 
 
 def test_one_microbatch_defers_nothing():

@@ -174,10 +174,13 @@ class Executable:
     donated_leaf_ids: tuple[int, ...] = ()
     shardings: Sequence[StageSharding | None] = ()
     """Per stage, the sharding ILP's answer (none: batch split over ``"data"``)."""
-    fns: list[Callable[..., Any]] = dataclasses.field(default_factory=list)
-    donated: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    defer_reductions: bool = True
+    """Keep gradients' partial sums until the last microbatch (:mod:`~autopar._src.deferred`);
+    ``False`` reduces them in every microbatch's backward (for comparison)."""
+    fns: list[Callable[..., Any]] = dataclasses.field(default_factory=list, init=False)
+    donated: list[tuple[int, ...]] = dataclasses.field(default_factory=list, init=False)
     """Per task: the input positions its executable donates."""
-    num_compiled: int = 0
+    num_compiled: int = dataclasses.field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self._arg_index = {v: i for i, v in enumerate(self.step.arg_vars)}
@@ -192,10 +195,13 @@ class Executable:
         inner = [self._inner_pins(stage) for stage in range(len(self.meshes))]
         self.deferred: list[deferred.Deferred] = [
             deferred.deferred_sums(self.program.tasks, stage, chosen.partial_sums, chosen.specs)
-            if (chosen := self._stage_sharding(stage)) is not None and self.plan.num_microbatches > 1
+            if (chosen := self._stage_sharding(stage)) is not None
+            and self.defer_reductions
+            and self.plan.num_microbatches > 1
             else deferred.NONE
             for stage in range(len(self.meshes))
         ]
+        """Per stage, the values kept as stacked partial sums."""
         for ti, t in enumerate(self.program.tasks):
             s_in = tuple(self.spec(k, t.stage) for k in t.in_keys)
             s_out = tuple(self.spec(k, t.stage) for k in t.out_keys)
