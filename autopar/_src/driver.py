@@ -14,7 +14,6 @@ Dispatch never waits on a device.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from autopar._src import compat, cost, deferred, transfers
-from autopar._src.expansion import expandable_branches
+from autopar._src import compat, cost, deferred, interpret, transfers
 from autopar._src.intra_op import StageSharding
 from autopar._src.plan import Plan
-from autopar._src.program import Key, Op, Program, Run, Task
+from autopar._src.program import Key, Program, Run, Task
 from autopar._src.strategy_graph import Inner
 from autopar._src.trace import TracedStep
 
@@ -53,90 +51,6 @@ def stage_meshes(plan: Plan, devices: Sequence[Any]) -> list[Mesh]:
         grid = np.array([by_id[d] for d in st.device_ids], dtype=object).reshape(st.mesh_shape)
         meshes.append(Mesh(grid, st.axis_names))
     return meshes
-
-
-def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh | None) -> Any:
-    if op.mode == "zeros":
-        return deferred.zeros(op.aval, stacked, mesh)
-    if op.mode == "add":
-        return vals[0] + vals[1]
-    if op.mode == "mean":
-        return deferred.finish(vals[0], stacked) / op.divisor
-    return vals[0]
-
-
-def bind_pinned(
-    eqn: Any, vals: list[Any], inner: dict[Inner, NamedSharding], path: tuple[int, ...] = ()
-) -> list[Any]:
-    """Applies ``eqn`` to ``vals``. A nested call, loop or ``cond`` runs its bodies with the
-    values the ILP laid out inside them pinned (``inner``, see
-    :func:`~autopar._src.expansion.expand_calls`): a ``jit`` body inline; a rematerialised
-    ``scan`` or ``while`` body re-traced into the same equation; ``cond`` branches re-traced by
-    ``lax.switch``."""
-    here = (*path, id(eqn))
-    branches = expandable_branches(eqn) if inner else None
-    if branches is not None:
-        fns = [functools.partial(_run_pinned, body, inner, (*here, b)) for b, body in enumerate(branches)]
-        return list(jax.lax.switch(vals[0], fns, *vals[1:]))
-    while_loop = compat.while_body(eqn) if inner else None
-    if while_loop is not None:
-        body = while_loop[0]
-        return compat.bind_with_body(eqn, body, functools.partial(_run_pinned, body, inner, here), vals)
-    body = compat.inlinable_body(eqn) if inner else None
-    if body is None:
-        return compat.bind_eqn(eqn, vals)
-    run = functools.partial(_run_pinned, body, inner, here)
-    return run(*vals) if compat.is_call(eqn) else compat.bind_with_body(eqn, body, run, vals)
-
-
-def _run_pinned(body: Any, inner: dict[Inner, NamedSharding], here: tuple[int, ...], *xs: Any) -> list[Any]:
-    env = dict(zip(body.invars, xs, strict=True))
-
-    def read(a: Any) -> Any:
-        return compat.literal_value(a) if compat.is_literal(a) else env[a]
-
-    for e in body.eqns:
-        outs = bind_pinned(e, [read(a) for a in e.invars], inner, here)
-        for v, x in zip(e.outvars, outs, strict=True):
-            if not compat.is_dropvar(v):
-                pin = inner.get(Inner(here, v))
-                env[v] = x if pin is None else jax.lax.with_sharding_constraint(x, pin)
-    return [read(a) for a in body.outvars]
-
-
-def _task_fn(
-    task: Task,
-    pins: dict[Key, NamedSharding],
-    inner: dict[Inner, NamedSharding] | None = None,
-    sums: deferred.Deferred = deferred.NONE,
-    mesh: Mesh | None = None,
-) -> Callable[..., tuple[Any, ...]]:
-    """The function a task's executable runs: its ops in order, outputs pinned to ``pins``,
-    values inside calls to ``inner``; ``sums`` are kept as stacked partial sums over ``mesh``."""
-    ops, in_keys, out_keys, inner = task.ops, task.in_keys, task.out_keys, inner or {}
-
-    def fn(*args: Any) -> tuple[Any, ...]:
-        env: dict[Key, Any] = dict(zip(in_keys, args, strict=True))
-
-        def read(a: Any) -> Any:
-            return env[a] if isinstance(a, tuple) else compat.literal_value(a)
-
-        for op in ops:
-            vals = [read(a) for a in op.ins]
-            var = op.outs[0][0] if op.outs and op.outs[0] is not None else None
-            if op.kind == "acc":
-                outs = [_acc(op, vals, sums.accumulators.get(var), mesh)]
-            elif var in sums.values:
-                pin = pins[op.outs[0]]
-                outs = [deferred.bind(op.eqn, vals, sums.values[var], pin.spec[1:], mesh)]
-            else:
-                outs = bind_pinned(op.eqn, vals, inner)
-            for k, x in zip(op.outs, outs, strict=True):
-                if k is not None:
-                    env[k] = jax.lax.with_sharding_constraint(x, pins[k]) if k in pins else x
-        return tuple(env[k] for k in out_keys)
-
-    return fn
 
 
 def _signature(task: Task, specs_in: tuple[Any, ...], specs_out: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -211,7 +125,7 @@ class Executable:
             if sig not in cache:
                 mesh = self.meshes[t.stage]
                 cache[sig] = jax.jit(
-                    _task_fn(t, self._pins(t), inner[t.stage], self.deferred[t.stage], mesh),
+                    interpret.task_fn(t, self._pins(t), inner[t.stage], self.deferred[t.stage], mesh),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
                     out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
                     donate_argnums=donate,

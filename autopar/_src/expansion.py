@@ -4,7 +4,7 @@ A nested ``jit``, a rematerialised (``jax.checkpoint``) call, a ``scan``, a ``wh
 ``cond`` are single equations of the step, but the values inside them are what a stage
 computes. :func:`expand_calls` replaces such an equation by its bodies' equations (named
 :class:`~autopar._src.strategy_graph.Inner`), so that the ILP lays them out like any others;
-the driver pins the layouts it chose inside (:func:`autopar._src.driver.bind_pinned`).
+the driver pins the layouts it chose inside (:func:`autopar._src.interpret.bind_pinned`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def expand_calls(
     branches' results are tied to them. A ``while``'s body counts once (its trip count is not
     known), its carries tied like a ``scan``'s; its predicate is not laid out. A ``cond`` whose
     branches are elementwise stays one op (its strategies follow its operands). The driver pins
-    the values inside (see :func:`autopar._src.driver.bind_pinned`). A body that returns a
+    the values inside (see :func:`autopar._src.interpret.bind_pinned`). A body that returns a
     literal, or an input that is one, stays a single op.
     """
     branches = expandable_branches(op.eqn)

@@ -20,7 +20,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar._src import cost, measure, partition
-from autopar._src.driver import DATA_AXIS, _task_fn
+from autopar._src.driver import DATA_AXIS
+from autopar._src.interpret import task_fn
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.program import Key, Op, Task
 from autopar._src.trace import TracedStep
@@ -125,7 +126,7 @@ def layer_range_latency(
                 task = _range_task(first, all_ops, layer_of, start, stop)
                 in_sh = [NamedSharding(mesh, _spec(key, microbatch_size, n)) for key in task.in_keys]
                 out_sh = [NamedSharding(mesh, _spec(key, microbatch_size, n)) for key in task.out_keys]
-                fn = jax.jit(_task_fn(task, {}), in_shardings=tuple(in_sh), out_shardings=tuple(out_sh))
+                fn = jax.jit(task_fn(task, {}), in_shardings=tuple(in_sh), out_shardings=tuple(out_sh))
                 abstract = [
                     jax.ShapeDtypeStruct(key[0].aval.shape, key[0].aval.dtype, sharding=sh)
                     for key, sh in zip(task.in_keys, in_sh, strict=True)

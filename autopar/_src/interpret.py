@@ -1,0 +1,106 @@
+"""The function a task's executable runs: its ops in order, each output pinned to its layout.
+
+A task is a list of equations and accumulator ops over keyed values (:mod:`autopar._src.program`).
+:func:`task_fn` interprets it inside one ``jax.jit``: every equation is bound again with its
+output pinned by ``with_sharding_constraint`` to the layout the sharding ILP chose; nested calls,
+loops and branches run their bodies with the values inside pinned too (:func:`bind_pinned`);
+gradients kept as partial sums run as :mod:`autopar._src.deferred` says.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from autopar._src import compat, deferred
+from autopar._src.expansion import expandable_branches
+from autopar._src.program import Key, Op, Task
+from autopar._src.strategy_graph import Inner
+
+
+def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh | None) -> Any:
+    if op.mode == "zeros":
+        return deferred.zeros(op.aval, stacked, mesh)
+    if op.mode == "add":
+        return vals[0] + vals[1]
+    if op.mode == "mean":
+        return deferred.finish(vals[0], stacked) / op.divisor
+    return vals[0]
+
+
+def bind_pinned(
+    eqn: Any, vals: list[Any], inner: dict[Inner, NamedSharding], path: tuple[int, ...] = ()
+) -> list[Any]:
+    """Applies ``eqn`` to ``vals``. A nested call, loop or ``cond`` runs its bodies with the
+    values the ILP laid out inside them pinned (``inner``, see
+    :func:`~autopar._src.expansion.expand_calls`): a ``jit`` body inline; a rematerialised
+    ``scan`` or ``while`` body re-traced into the same equation; ``cond`` branches re-traced by
+    ``lax.switch``."""
+    here = (*path, id(eqn))
+    branches = expandable_branches(eqn) if inner else None
+    if branches is not None:
+        fns = [functools.partial(_run_pinned, body, inner, (*here, b)) for b, body in enumerate(branches)]
+        return list(jax.lax.switch(vals[0], fns, *vals[1:]))
+    while_loop = compat.while_body(eqn) if inner else None
+    if while_loop is not None:
+        body = while_loop[0]
+        return compat.bind_with_body(eqn, body, functools.partial(_run_pinned, body, inner, here), vals)
+    body = compat.inlinable_body(eqn) if inner else None
+    if body is None:
+        return compat.bind_eqn(eqn, vals)
+    run = functools.partial(_run_pinned, body, inner, here)
+    return run(*vals) if compat.is_call(eqn) else compat.bind_with_body(eqn, body, run, vals)
+
+
+def _run_pinned(body: Any, inner: dict[Inner, NamedSharding], here: tuple[int, ...], *xs: Any) -> list[Any]:
+    env = dict(zip(body.invars, xs, strict=True))
+
+    def read(a: Any) -> Any:
+        return compat.literal_value(a) if compat.is_literal(a) else env[a]
+
+    for e in body.eqns:
+        outs = bind_pinned(e, [read(a) for a in e.invars], inner, here)
+        for v, x in zip(e.outvars, outs, strict=True):
+            if not compat.is_dropvar(v):
+                pin = inner.get(Inner(here, v))
+                env[v] = x if pin is None else jax.lax.with_sharding_constraint(x, pin)
+    return [read(a) for a in body.outvars]
+
+
+def task_fn(
+    task: Task,
+    pins: dict[Key, NamedSharding],
+    inner: dict[Inner, NamedSharding] | None = None,
+    sums: deferred.Deferred = deferred.NONE,
+    mesh: Mesh | None = None,
+) -> Callable[..., tuple[Any, ...]]:
+    """The function a task's executable runs: its ops in order, outputs pinned to ``pins``,
+    values inside calls to ``inner``; ``sums`` are kept as stacked partial sums over ``mesh``."""
+    ops, in_keys, out_keys, inner = task.ops, task.in_keys, task.out_keys, inner or {}
+
+    def fn(*args: Any) -> tuple[Any, ...]:
+        env: dict[Key, Any] = dict(zip(in_keys, args, strict=True))
+
+        def read(a: Any) -> Any:
+            return env[a] if isinstance(a, tuple) else compat.literal_value(a)
+
+        for op in ops:
+            vals = [read(a) for a in op.ins]
+            var = op.outs[0][0] if op.outs and op.outs[0] is not None else None
+            if op.kind == "acc":
+                outs = [_acc(op, vals, sums.accumulators.get(var), mesh)]
+            elif var in sums.values:
+                pin = pins[op.outs[0]]
+                outs = [deferred.bind(op.eqn, vals, sums.values[var], pin.spec[1:], mesh)]
+            else:
+                outs = bind_pinned(op.eqn, vals, inner)
+            for k, x in zip(op.outs, outs, strict=True):
+                if k is not None:
+                    env[k] = jax.lax.with_sharding_constraint(x, pins[k]) if k in pins else x
+        return tuple(env[k] for k in out_keys)
+
+    return fn
