@@ -4,8 +4,12 @@ per-microbatch tasks issue no weight-gradient collective."""
 import dataclasses
 import re
 
+import flax.linen as nn
+import jax
+import optax
 import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
+from flax.training import train_state
 
 import autopar
 from autopar._src import deferred
@@ -111,3 +115,47 @@ def test_gradients_split_over_a_summed_axis_are_not_deferred():
     again = deferred.deferred_sums(exe.program.tasks, 0, chosen.partial_sums, specs)
     assert total not in again.accumulators
     assert set(again.accumulators) == set(kept.accumulators) - {total}
+
+
+class _ConvNet(nn.Module):
+    """Convolutions without BatchNorm: every microbatch count computes the same gradient."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(32, (3, 3), name="conv_1")(x))
+        x = nn.relu(nn.Conv(32, (3, 3), name="conv_2")(x))
+        return nn.Dense(10, name="head")(x.mean(axis=(1, 2)))
+
+
+def test_convolution_gradients_are_reduced_once_per_step():
+    model = _ConvNet()
+    images = jax.random.normal(jax.random.key(0), (4, 16, 16, 3))
+    params = model.init(jax.random.key(1), images[:1])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=OPTIMIZERS["sgd"]())
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["images"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    batches = [
+        {
+            "images": jax.random.normal(jax.random.key(10 + i), (512, 16, 16, 3)),
+            "labels": jax.random.randint(jax.random.key(20 + i), (512,), 0, 10),
+        }
+        for i in range(2)
+    ]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
+    )
+    exe = par.executable(state, batches[0])
+    roots = {v.aval.shape for v, s in exe.deferred[0].values.items() if s.operand_specs is not None}
+    assert (3, 3, 32, 32) in roots  # conv_2's kernel gradient, a convolution over the batch
+    kernels = ("[3,3,3,32]", "[3,3,32,32]", "[32,10]")
+    per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
+    assert not _weight_shaped(per_microbatch, kernels), per_microbatch
+    eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
+    assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], kernels)
