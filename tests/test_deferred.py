@@ -12,7 +12,7 @@ from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 from flax.training import train_state
 
 import autopar
-from autopar._src import deferred
+from autopar._src import deferred, layer_sharding
 from models import train
 from models.mlp import MLPConfig
 
@@ -159,3 +159,82 @@ def test_convolution_gradients_are_reduced_once_per_step():
     assert not _weight_shaped(per_microbatch, kernels), per_microbatch
     eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
     assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], kernels)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _=None):
+        return nn.relu(nn.Dense(64)(x)), None
+
+
+class _WrappedNet(nn.Module):
+    """Two blocks as a rematerialised call each, a nested ``jit`` each, or one ``nn.scan``."""
+
+    wrap: str
+
+    @nn.compact
+    def __call__(self, x):
+        if self.wrap == "scan":
+            x = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()(
+                x, None
+            )[0]
+        else:
+            block = nn.remat(_Block) if self.wrap == "remat" else nn.jit(_Block)
+            for _ in range(2):
+                x = block()(x)[0]
+        return nn.Dense(16)(x)
+
+
+@pytest.mark.parametrize("wrap, deferred_params", [("remat", 6), ("jit", 6), ("scan", 2)])
+def test_gradients_made_inside_calls(wrap, deferred_params):
+    """A rematerialised block's weight gradients are made inside its backward call: they leave
+    the call as stacked partial sums and are reduced once per step, and the stage DP's costs
+    (``layer_sharding``) defer exactly the gradients the driver defers. Inside a loop they are
+    reduced every microbatch, and priced so."""
+    model = _WrappedNet(wrap)
+    x = jax.random.normal(jax.random.key(0), (4, 64))
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(1), x)["params"], tx=OPTIMIZERS["adamw"]()
+    )
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    batches = [
+        {
+            "x": jax.random.normal(jax.random.key(10 + i), (4096, 64)),
+            "y": jax.random.randint(jax.random.key(20 + i), (4096,), 0, 16),
+        }
+        for i in range(3)
+    ]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
+    )
+    exe = par.executable(state, batches[0])
+    assert len(exe.deferred[0].accumulators) == deferred_params
+    problems = layer_sharding.LayerProblems(exe.step)
+    priced = [c for ops in problems.ops for c in deferred.graph_chains(ops, problems.carried, problems.loops)]
+    assert len(priced) == deferred_params
+    per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
+    blocks = ("[64,64]", "[2,64,64]")  # the blocks' kernel gradients (stacked by the scan)
+    assert bool(_weight_shaped(per_microbatch, blocks)) == (wrap == "scan"), per_microbatch
+
+
+def test_rematerialised_gpt_defers_its_block_gradients():
+    """GPT blocks as large GPTs are trained (``remat``): every gradient but the two embedding
+    tables' (scatter-added, not partial sums) is reduced once per step."""
+    config = train.tiny_config("gpt", remat=True)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("gpt", config, 64, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
+    )
+    exe = par.executable(state, batches[0])
+    assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params)) - 2
+    per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
+    assert not _weight_shaped(per_microbatch, ("[64,256]", "[256,64]")), per_microbatch

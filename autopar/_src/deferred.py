@@ -29,7 +29,7 @@ from autopar._src.collectives import Axes, Spec, entry_axes
 from autopar._src.layout_costs import spec_axes
 from autopar._src.program import Task
 from autopar._src.sharding_ilp import Edge, Node
-from autopar._src.strategy_graph import GraphOp
+from autopar._src.strategy_graph import GraphOp, Inner
 
 PARTIAL_SUM_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
 """Primitives whose result on local blocks is a partial sum of the result's block when a
@@ -117,55 +117,128 @@ def gradient_chains(
     """``(root, links, region output)`` of every gradient of ``stage`` that is made as partial
     sums: ``root`` by an equation of :data:`PARTIAL_SUM_PRIMITIVES` (for which ``is_partial``
     holds for its variable), ``links`` by linear equations from it, the last one the value the
-    accumulator adds."""
+    accumulator adds. The chain may pass out of nested ``jit`` and rematerialised calls (a
+    rematerialised block's weight gradients are made inside its backward call): their values
+    are named :class:`~autopar._src.strategy_graph.Inner` as the ILP names them, and the call's
+    result is a link."""
     chains = []
     for task in tasks:
         if task.stage != stage:
             continue
         adds = [op for op in task.ops if op.kind == "acc" and op.mode == "add"]
-        made = {op.outs[0]: (op.eqn, op.ins) for op in task.ops if op.kind == "eqn" and len(op.outs) == 1}
+        made = {
+            k: (op.eqn, op.ins, index)
+            for op in task.ops
+            if op.kind == "eqn"
+            for index, k in enumerate(op.outs)
+            if k is not None
+        }
         reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
         reads.update(task.out_keys)
+
+        def descend(eqn: Any, index: int) -> list[Any] | None:
+            return _call_chain(eqn, index, (), is_partial)
+
         for op in adds:
-            chain = _partial_chain(op.ins[1], made, reads, lambda k: is_partial(k[0]))
+            chain = _partial_chain(op.ins[1], made, reads, 0, is_partial, descend, name_of=lambda k: k[0])
             if chain is not None:
-                chains.append((chain[0][0], [k[0] for k in chain[1:]], op.outs[0][0]))
+                chains.append((chain[0], chain[1:], op.outs[0][0]))
     return chains
 
 
-def graph_chains(ops: Sequence[GraphOp], grads: Iterable[Any]) -> list[tuple[Any, list[Any], Any]]:
-    """:func:`gradient_chains` of one microbatch's equations (named values, see
-    :class:`~autopar._src.strategy_graph.GraphOp`), for the gradients ``grads``."""
-    made = {op.outs[0]: (op.eqn, op.ins) for op in ops if len(op.outs) == 1 and op.outs[0] is not None}
+def graph_chains(
+    ops: Sequence[GraphOp], grads: Iterable[Any], loops: frozenset[int] = frozenset()
+) -> list[tuple[Any, list[Any], Any]]:
+    """:func:`gradient_chains` of one microbatch's equations (named values, calls expanded, see
+    :class:`~autopar._src.strategy_graph.GraphOp`), for the gradients ``grads``. Chains through
+    values inside the loops or branches ``loops`` (the ids of their equations, see
+    :func:`loop_ids`) are left out: the driver reduces those gradients each microbatch."""
+    made = {
+        out: (op.eqn, op.ins, index) for op in ops for index, out in enumerate(op.outs) if out is not None
+    }
     reads = Counter(name for op in ops for name in op.ins if name is not None)
     chains = []
     for g in grads:
-        chain = _partial_chain(g, made, reads, lambda name: True)
-        if chain is not None:
+        chain = _partial_chain(g, made, reads, 0, lambda name: True, lambda eqn, index: None)
+        if chain is not None and not any(
+            isinstance(name, Inner) and loops.intersection(name.path) for name in chain
+        ):
             chains.append((chain[0], chain[1:], g))
     return chains
 
 
+def loop_ids(jaxpr: Any) -> frozenset[int]:
+    """The ids of the ``scan``, ``while`` and ``cond`` equations in ``jaxpr`` and the calls in it."""
+    found: set[int] = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("scan", "while", "cond"):
+            found.add(id(eqn))
+        for body in compat.sub_jaxprs(eqn):
+            found |= loop_ids(body)
+    return frozenset(found)
+
+
 def _partial_chain(
     name: Any,
-    made: Mapping[Any, tuple[Any, Sequence[Any]]],
+    made: Mapping[Any, tuple[Any, Sequence[Any], int]],
     reads: Mapping[Any, int],
+    first_reads: int,
     is_partial: Callable[[Any], bool],
+    descend: Callable[[Any, int], list[Any] | None],
+    name_of: Callable[[Any], Any] = lambda name: name,
 ) -> list[Any] | None:
-    """Names from a partial-sum equation's result to ``name`` (read by nothing but the sum it
-    is added to), each link read only by the next; None if there is no such chain."""
+    """Names from a partial-sum equation's result to ``name`` (read ``first_reads`` times), each
+    link read only by the next; None if there is no such chain. ``made`` maps a value to its
+    equation, operands and result index; ``descend(eqn, index)`` is the chain inside a call
+    whose ``index``-th result is a link, if any."""
     chain: list[Any] = []
     while name is not None and not compat.is_literal(name) and name in made:
-        if reads.get(name, 0) != (1 if chain else 0):
+        if reads.get(name, 0) != (1 if chain else first_reads):
             return None
-        eqn, ins = made[name]
-        chain.append(name)
-        if eqn.primitive.name in PARTIAL_SUM_PRIMITIVES and is_partial(name):
+        eqn, ins, index = made[name]
+        chain.append(name_of(name))
+        if eqn.primitive.name in PARTIAL_SUM_PRIMITIVES and is_partial(chain[-1]):
             return chain[::-1]
+        inside = descend(eqn, index)
+        if inside is not None:
+            return inside + chain[::-1]
         if eqn.primitive.name not in LINEAR_PRIMITIVES or len(ins) != 1:
             return None
         name = ins[0]
     return None
+
+
+def _call_chain(
+    eqn: Any, index: int, path: tuple[int, ...], is_partial: Callable[[Any], bool]
+) -> list[Any] | None:
+    """The chain that ends at result ``index`` of ``eqn``, a nested ``jit`` or rematerialised
+    call under ``path``, inside its body; None for other equations or if there is none."""
+    body = compat.inlinable_body(eqn) if compat.is_call(eqn) or compat.remat_body(eqn) is not None else None
+    if body is None:
+        return None
+    here = (*path, id(eqn))
+    made = {
+        Inner(here, v): (e, [None if compat.is_literal(a) else Inner(here, a) for a in e.invars], k)
+        for e in body.eqns
+        for k, v in enumerate(e.outvars)
+        if not compat.is_dropvar(v)
+    }
+    reads = Counter(Inner(here, a) for e in body.eqns for a in e.invars if not compat.is_literal(a))
+    reads.update(Inner(here, v) for v in body.outvars if not compat.is_literal(v))
+    out = body.outvars[index]
+    if compat.is_literal(out):
+        return None
+
+    def descend(inner_eqn: Any, k: int) -> list[Any] | None:
+        return _call_chain(inner_eqn, k, here, is_partial)
+
+    return _partial_chain(Inner(here, out), made, reads, 1, is_partial, descend)
+
+
+def made_stacked(eqn: Any) -> bool:
+    """Whether a stacked result of ``eqn`` is made by :func:`bind` (a partial-sum or linear
+    equation), rather than by a call whose body makes it."""
+    return eqn.primitive.name in PARTIAL_SUM_PRIMITIVES or eqn.primitive.name in LINEAR_PRIMITIVES
 
 
 def bind(eqn: Any, vals: list[Any], stacked: Stacked, out_spec: Spec, mesh: Mesh) -> Any:

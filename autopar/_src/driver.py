@@ -106,7 +106,6 @@ class Executable:
         for ins in self.program.instrs:
             if isinstance(ins, Run):
                 last_read[ins.task] = {loc[0] for loc in ins.frees}
-        inner = [self._inner_pins(stage) for stage in range(len(self.meshes))]
         self.deferred: list[deferred.Deferred] = [
             deferred.deferred_sums(self.program.tasks, stage, chosen.partial_sums, chosen.specs)
             if (chosen := self._stage_sharding(stage)) is not None
@@ -116,6 +115,10 @@ class Executable:
             for stage in range(len(self.meshes))
         ]
         """Per stage, the values kept as stacked partial sums."""
+        inside = [
+            interpret.Inside(self._inner_pins(stage), self.deferred[stage], self.meshes[stage])
+            for stage in range(len(self.meshes))
+        ]
         for ti, t in enumerate(self.program.tasks):
             s_in = tuple(self.spec(k, t.stage) for k in t.in_keys)
             s_out = tuple(self.spec(k, t.stage) for k in t.out_keys)
@@ -125,7 +128,7 @@ class Executable:
             if sig not in cache:
                 mesh = self.meshes[t.stage]
                 cache[sig] = jax.jit(
-                    interpret.task_fn(t, self._pins(t), inner[t.stage], self.deferred[t.stage], mesh),
+                    interpret.task_fn(t, self._pins(t), inside[t.stage]),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
                     out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
                     donate_argnums=donate,
@@ -163,9 +166,11 @@ class Executable:
         chosen = self._stage_sharding(stage)
         if chosen is None:
             return {}
-        mesh = self.meshes[stage]
+        mesh, stacked = self.meshes[stage], self.deferred[stage].values
         return {
-            k: NamedSharding(mesh, PartitionSpec(*chosen.specs[k]))
+            k: NamedSharding(
+                mesh, stacked[k].spec(chosen.specs[k]) if k in stacked else PartitionSpec(*chosen.specs[k])
+            )
             for k in chosen.pinned
             if isinstance(k, Inner)
         }

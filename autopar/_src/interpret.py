@@ -9,6 +9,7 @@ gradients kept as partial sums run as :mod:`autopar._src.deferred` says.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -32,55 +33,68 @@ def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh |
     return vals[0]
 
 
-def bind_pinned(
-    eqn: Any, vals: list[Any], inner: dict[Inner, NamedSharding], path: tuple[int, ...] = ()
-) -> list[Any]:
+@dataclasses.dataclass(frozen=True)
+class Inside:
+    """What bodies run with: the layouts of their values (``pins``, see
+    :func:`~autopar._src.expansion.expand_calls`) and those kept as stacked partial sums over
+    ``mesh`` (``sums``, see :mod:`autopar._src.deferred`; their pins are the stacked layouts)."""
+
+    pins: dict[Inner, NamedSharding] = dataclasses.field(default_factory=dict)
+    sums: deferred.Deferred = deferred.NONE
+    mesh: Mesh | None = None
+
+
+def bind_pinned(eqn: Any, vals: list[Any], inside: Inside, path: tuple[int, ...] = ()) -> list[Any]:
     """Applies ``eqn`` to ``vals``. A nested call, loop or ``cond`` runs its bodies with the
-    values the ILP laid out inside them pinned (``inner``, see
-    :func:`~autopar._src.expansion.expand_calls`): a ``jit`` body inline; a rematerialised
-    ``scan`` or ``while`` body re-traced into the same equation; ``cond`` branches re-traced by
-    ``lax.switch``."""
+    values the ILP laid out inside them pinned (``inside``): a ``jit`` body inline; a
+    rematerialised ``scan`` or ``while`` body re-traced into the same equation; ``cond``
+    branches re-traced by ``lax.switch``. Values inside kept as partial sums come out of their
+    ``jit`` or rematerialised call stacked."""
     here = (*path, id(eqn))
-    branches = expandable_branches(eqn) if inner else None
+    pinned = bool(inside.pins)
+    branches = expandable_branches(eqn) if pinned else None
     if branches is not None:
-        fns = [functools.partial(_run_pinned, body, inner, (*here, b)) for b, body in enumerate(branches)]
+        fns = [functools.partial(_run_pinned, body, inside, (*here, b)) for b, body in enumerate(branches)]
         return list(jax.lax.switch(vals[0], fns, *vals[1:]))
-    while_loop = compat.while_body(eqn) if inner else None
+    while_loop = compat.while_body(eqn) if pinned else None
     if while_loop is not None:
         body = while_loop[0]
-        return compat.bind_with_body(eqn, body, functools.partial(_run_pinned, body, inner, here), vals)
-    body = compat.inlinable_body(eqn) if inner else None
+        return compat.bind_with_body(eqn, body, functools.partial(_run_pinned, body, inside, here), vals)
+    body = compat.inlinable_body(eqn) if pinned else None
     if body is None:
         return compat.bind_eqn(eqn, vals)
-    run = functools.partial(_run_pinned, body, inner, here)
+    run = functools.partial(_run_pinned, body, inside, here)
     return run(*vals) if compat.is_call(eqn) else compat.bind_with_body(eqn, body, run, vals)
 
 
-def _run_pinned(body: Any, inner: dict[Inner, NamedSharding], here: tuple[int, ...], *xs: Any) -> list[Any]:
+def _run_pinned(body: Any, inside: Inside, here: tuple[int, ...], *xs: Any) -> list[Any]:
     env = dict(zip(body.invars, xs, strict=True))
 
     def read(a: Any) -> Any:
         return compat.literal_value(a) if compat.is_literal(a) else env[a]
 
     for e in body.eqns:
-        outs = bind_pinned(e, [read(a) for a in e.invars], inner, here)
+        vals = [read(a) for a in e.invars]
+        name = Inner(here, e.outvars[0]) if len(e.outvars) == 1 else None
+        stacked = inside.sums.values.get(name)
+        if stacked is not None and deferred.made_stacked(e):
+            outs = [deferred.bind(e, vals, stacked, inside.pins[name].spec[1:], inside.mesh)]
+        else:
+            outs = bind_pinned(e, vals, inside, here)
         for v, x in zip(e.outvars, outs, strict=True):
             if not compat.is_dropvar(v):
-                pin = inner.get(Inner(here, v))
+                pin = inside.pins.get(Inner(here, v))
                 env[v] = x if pin is None else jax.lax.with_sharding_constraint(x, pin)
     return [read(a) for a in body.outvars]
 
 
 def task_fn(
-    task: Task,
-    pins: dict[Key, NamedSharding],
-    inner: dict[Inner, NamedSharding] | None = None,
-    sums: deferred.Deferred = deferred.NONE,
-    mesh: Mesh | None = None,
+    task: Task, pins: dict[Key, NamedSharding], inside: Inside = Inside()
 ) -> Callable[..., tuple[Any, ...]]:
     """The function a task's executable runs: its ops in order, outputs pinned to ``pins``,
-    values inside calls to ``inner``; ``sums`` are kept as stacked partial sums over ``mesh``."""
-    ops, in_keys, out_keys, inner = task.ops, task.in_keys, task.out_keys, inner or {}
+    values inside calls as ``inside`` says; ``inside.sums`` are kept as stacked partial sums."""
+    ops, in_keys, out_keys = task.ops, task.in_keys, task.out_keys
+    sums, mesh = inside.sums, inside.mesh
 
     def fn(*args: Any) -> tuple[Any, ...]:
         env: dict[Key, Any] = dict(zip(in_keys, args, strict=True))
@@ -93,11 +107,11 @@ def task_fn(
             var = op.outs[0][0] if op.outs and op.outs[0] is not None else None
             if op.kind == "acc":
                 outs = [_acc(op, vals, sums.accumulators.get(var), mesh)]
-            elif var in sums.values:
+            elif var in sums.values and deferred.made_stacked(op.eqn):
                 pin = pins[op.outs[0]]
                 outs = [deferred.bind(op.eqn, vals, sums.values[var], pin.spec[1:], mesh)]
             else:
-                outs = bind_pinned(op.eqn, vals, inner)
+                outs = bind_pinned(op.eqn, vals, inside)
             for k, x in zip(op.outs, outs, strict=True):
                 if k is not None:
                     env[k] = jax.lax.with_sharding_constraint(x, pins[k]) if k in pins else x

@@ -75,6 +75,8 @@ class LayerProblems:
         grads = [name(v) for v in rj.outvars[len(rj.outvars) - info.num_grads :]]
         self.carried = {g: p for g, p in zip(grads, diff, strict=True) if g is not None and g != p}
         """Each gradient -> the parameter it updates."""
+        self.loops = deferred.loop_ids(rj)
+        """The ids of the loops and branches in the grad region (see :func:`deferred.graph_chains`)."""
         arg_index = {v: i for i, v in enumerate(step.arg_vars)}
         self.region_arg = {
             r: arg_index[v]
@@ -162,10 +164,9 @@ def gradient_tail(ops: Sequence[GraphOp], grads: Sequence[Any]) -> set[int]:
 
 
 def _solve(
-    ops: Sequence[GraphOp],
-    ties: Sequence[Tie],
+    problems: LayerProblems,
+    layer: int,
     mesh: MeshSpec,
-    carried: Mapping[Any, Any],
     fixed: Mapping[Any, Spec],
     memory_budget: float | None,
     time_limit: float,
@@ -173,12 +174,13 @@ def _solve(
     gradients: Gradients,
 ) -> tuple[float, float]:
     """``(seconds, bytes of the layer's inputs per device)`` of the layer's best sharding."""
-    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=ties)
+    ops, carried = problems.ops[layer], problems.carried
+    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=problems.ties[layer])
     nodes = inputs_memory_only(nodes, producer, {name for op in ops for name in op.outs if name is not None})
     if microbatches > 1 and gradients == "megatron":
         nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
     elif microbatches > 1:
-        chains = deferred.graph_chains(ops, carried)
+        chains = deferred.graph_chains(ops, carried, problems.loops)
         runs = {root: microbatches for root, _, _ in chains}
         nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)[0]
@@ -267,17 +269,13 @@ def layer_latency(
             for i, (ops, ties) in enumerate(zip(problems.ops, problems.ties, strict=True)):
                 key = (_signature(ops, pinned, problems.carried, ties), mesh, microbatches, gradients)
                 if key not in _CACHE:
-                    _CACHE[key] = _solve(
-                        ops, ties, mesh, problems.carried, pinned, None, time_limit, microbatches, gradients
-                    )
+                    _CACHE[key] = _solve(problems, i, mesh, pinned, None, time_limit, microbatches, gradients)
                 seconds, memory = _CACHE[key]
                 if memory_like:
                     free_key = (key, "memory_like")
                     if free_key not in _CACHE:
                         budget = memory * (1 + 1e-9)
-                        free = _solve(
-                            ops, ties, mesh, problems.carried, {}, budget, time_limit, microbatches, gradients
-                        )
+                        free = _solve(problems, i, mesh, {}, budget, time_limit, microbatches, gradients)
                         # The pinned layouts are one of the free problem's answers: a time-limited
                         # solve that found worse keeps them.
                         _CACHE[free_key] = min(free, (seconds, memory))
