@@ -7,6 +7,10 @@ the all-reduce instructions of one step (summed over the compiled tasks; XLA com
 all-reduces of one task into one) and the step times, measured alternating round by round.
 
     python benchmarks/gradient_reductions.py [--microbatches 8] [--hidden 1024] [--rounds 20]
+    python benchmarks/gradient_reductions.py --model gpt-remat --hidden 256 --batch-size 256 --rounds 10
+
+``--model gpt-remat`` is a two-block GPT (sequences of 32 tokens, vocabulary 1024) with
+rematerialised blocks, whose weight gradients are made inside the blocks' backward calls.
 
 The last line printed is ``deferred_speedup=<float>``: the per-microbatch step time over the
 deferred one.
@@ -16,19 +20,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common  # noqa: E402
 
+ALL_REDUCE = re.compile(r"= (\([^)]*\)|[a-z0-9]+\[[0-9,]*\]\S*) all-reduce\(")
+ARRAY = re.compile(r"[a-z]+([0-9]*)\[([0-9,]*)\]")
 
-def _all_reduces(exe) -> int:
-    """All-reduce instructions that one step of ``exe`` runs."""
-    return sum(
-        fn.lower(*exe.abstract_inputs(i)).compile().as_text().count(" all-reduce(")
-        for i, fn in enumerate(exe.fns)
-    )
+
+def all_reduced(hlo: str) -> tuple[int, int]:
+    """``(all-reduce instructions, bytes of their results)`` in compiled HLO text."""
+    count = size = 0
+    for match in ALL_REDUCE.finditer(hlo):
+        count += 1
+        for bits, dims in ARRAY.findall(match[1]):
+            elements = math.prod(int(d) for d in dims.split(",") if d)
+            size += elements * max(int(bits or 8), 8) // 8
+    return count, size
+
+
+def _all_reduces(exe) -> tuple[int, int]:
+    """:func:`all_reduced` summed over the tasks that one step of ``exe`` runs."""
+    found = [
+        all_reduced(fn.lower(*exe.abstract_inputs(i)).compile().as_text()) for i, fn in enumerate(exe.fns)
+    ]
+    return sum(c for c, _ in found), sum(b for _, b in found)
 
 
 def main() -> None:
@@ -36,7 +56,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024, help="width of the MLP's three layers")
+    parser.add_argument("--model", choices=["mlp", "gpt-remat"], default="mlp")
+    parser.add_argument(
+        "--hidden", type=int, default=1024, help="width of the MLP's three layers or the GPT's"
+    )
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--devices", type=int, default=8)
@@ -52,11 +75,23 @@ def main() -> None:
 
     import autopar
     from models import train
+    from models.gpt import GPTConfig
     from models.mlp import MLPConfig
 
-    config = MLPConfig(features=(args.hidden, args.hidden), in_features=args.hidden, num_classes=args.hidden)
-    step, state = train.setup("mlp", "linen", config, optax.adamw(1e-3))
-    batch = train.make_batch("mlp", config, args.batch_size)
+    if args.model == "mlp":
+        kind, config = (
+            "mlp",
+            MLPConfig(features=(args.hidden,) * 2, in_features=args.hidden, num_classes=args.hidden),
+        )
+        what = f"MLP, 3 layers of width {args.hidden}"
+    else:
+        heads = max(args.hidden // 64, 1)
+        config = GPTConfig(
+            vocab_size=1024, num_layers=2, num_heads=heads, hidden=args.hidden, max_len=32, remat=True
+        )
+        kind, what = "gpt", f"GPT, 2 rematerialised blocks of width {args.hidden}, 32 tokens, vocabulary 1024"
+    step, state = train.setup(kind, "linen", config, optax.adamw(1e-3))
+    batch = train.make_batch(kind, config, args.batch_size)
     par = autopar.autoparallel(
         step, num_stages=1, num_microbatches=args.microbatches, mesh_shape=(args.devices,)
     )
@@ -102,17 +137,26 @@ def main() -> None:
     counts = {
         names["deferred"]: _all_reduces(deferred),
         names["eager"]: _all_reduces(eager),
-        names["jit"]: jitted.lower(ref["state"], ref_batch).compile().as_text().count(" all-reduce("),
+        names["jit"]: all_reduced(jitted.lower(ref["state"], ref_batch).compile().as_text()),
     }
     base = _common.summary(times[names["deferred"]])[0]
-    headers = ["configuration", "all-reduces per step", "median ms", "p10 ms", "p90 ms", "ratio vs deferred"]
+    headers = [
+        "configuration",
+        "all-reduces per step",
+        "MB all-reduced per step",
+        "median ms",
+        "p10 ms",
+        "p90 ms",
+        "ratio vs deferred",
+    ]
     rows = []
     for name in fns:
         med, p10, p90 = _common.summary(times[name])
         rows.append(
             [
                 name,
-                counts[name],
+                counts[name][0],
+                f"{counts[name][1] / 1e6:.2f}",
                 f"{med * 1e3:.1f}",
                 f"{p10 * 1e3:.1f}",
                 f"{p90 * 1e3:.1f}",
@@ -122,22 +166,25 @@ def main() -> None:
     _common.print_table("gradient reductions", headers, rows)
     first = [losses[name][0] for name in fns]
     path = _common.write_markdown(
-        "gradient_reductions",
+        "gradient_reductions" + ("" if args.model == "mlp" else f"_{args.model}"),
         "Gradient all-reduces deferred to the last microbatch",
         {
-            "model": f"MLP, 3 layers of width {args.hidden} ({num_params:,} parameters), adamw",
-            "batch": f"{args.batch_size} rows, {args.microbatches} microbatches, one stage on {args.devices} "
+            "model": f"{what} ({num_params:,} parameters), adamw",
+            "batch": f"{args.batch_size} {'rows' if kind == 'mlp' else 'sequences'}, "
+            f"{args.microbatches} microbatches, one stage on {args.devices} "
             "devices as (8,) (sharding ILP)",
             "gradients kept as partial sums": f"{kept} of {grads}",
             "first-step losses (deferred, per microbatch, jit)": ", ".join(f"{x:.6f}" for x in first),
             "rounds": f"{args.rounds} (configurations alternate every round, after 3 warm-up steps)",
-            "command": f"python benchmarks/gradient_reductions.py --microbatches {args.microbatches} "
+            "command": f"python benchmarks/gradient_reductions.py --model {args.model} "
+            f"--microbatches {args.microbatches} "
             f"--hidden {args.hidden} --batch-size {args.batch_size} --rounds {args.rounds}",
         },
         headers,
         rows,
         notes="All-reduces per step count the all-reduce instructions of every compiled task that runs "
-        "once in a step (XLA combines a task's independent all-reduces into one). The simulated devices "
+        "once in a step (XLA combines a task's independent all-reduces into one); MB all-reduced adds up "
+        "their results' bytes on one device. The simulated devices "
         "share the host's cores, so an all-reduce costs memory traffic and synchronisation, not link time.",
     )
     speedup = _common.summary(times[names["eager"]])[0] / base

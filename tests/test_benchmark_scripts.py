@@ -133,4 +133,6 @@ def test_gradient_reductions_tiny_defers_and_ends_with_the_speedup(tmp_path):
     # microbatch: the gradients' too in each of the two backward tasks.
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| autopar")]
     assert [int(r[1]) for r in rows] == [3, 4], rows
+    # ... and the gradients' bytes once rather than once per microbatch.
+    assert 0 < float(rows[0][2]) < float(rows[1][2]), rows
     assert "gradients kept as partial sums: 6 of 6" in text

@@ -260,7 +260,7 @@ def bind(eqn: Any, vals: list[Any], stacked: Stacked, out_spec: Spec, mesh: Mesh
 
 def zeros(aval: Any, stacked: Stacked | None, mesh: Mesh | None) -> Any:
     """The start of a running sum: zeros of ``aval``, stacked over ``mesh`` when the sum is."""
-    if stacked is None or mesh is None:
+    if stacked is None:
         return jnp.zeros(aval.shape, aval.dtype)
     return jnp.zeros((stacked.size(mesh), *aval.shape), aval.dtype)
 
@@ -305,8 +305,10 @@ def priced_once(
                 for s, d in zip(nodes[i].strategies, saved, strict=True)
             ),
         )
-        if links and links[0] in producer and (i, producer[links[0]][0]) in at_edge:
-            k = at_edge[(i, producer[links[0]][0])]
+        # The first link with a node of its own (a call's result is its body value's alias).
+        first = next((producer[v][0] for v in links if v in producer and producer[v][0] != i), None)
+        if first is not None and (i, first) in at_edge:
+            k = at_edge[(i, first)]
             clash = np.array(
                 [
                     [bool(ax & spec_axes(t.output_specs[0])) for t in nodes[edges[k].dst].strategies]
