@@ -63,7 +63,7 @@ def test_every_mlp_gradient_is_made_as_partial_sums():
     roots = {}
     for ops in problems.ops:
         made = {n: op.eqn.primitive.name for op in ops for n in op.outs if n is not None}
-        for root, links, grad in deferred.graph_chains(ops, problems.carried):
+        for root, links, grad, _ in deferred.graph_chains(ops, problems.carried):
             assert (links[-1] if links else root) == grad
             roots[grad] = made[root]
     # Kernels from the batch-contracting matmul, biases from the sum over the batch.

@@ -199,7 +199,7 @@ class Executable:
         sum has its partial sums' dim first, see :mod:`~autopar._src.deferred`)."""
         aval = key[0].aval
         stacked = self.deferred[stage].accumulators.get(key[0]) if _is_accumulator(key) else None
-        shape = tuple(aval.shape) if stacked is None else (stacked.size(self.meshes[stage]), *aval.shape)
+        shape = tuple(aval.shape) if stacked is None else stacked.shape(aval.shape, self.meshes[stage])
         return jax.ShapeDtypeStruct(shape, aval.dtype, sharding=self.sharding(key, stage))
 
     def abstract_inputs(self, task_index: int) -> list[jax.ShapeDtypeStruct]:

@@ -78,7 +78,7 @@ def _run_pinned(body: Any, inside: Inside, here: tuple[int, ...], *xs: Any) -> l
         name = Inner(here, e.outvars[0]) if len(e.outvars) == 1 else None
         stacked = inside.sums.values.get(name)
         if stacked is not None and deferred.made_stacked(e):
-            outs = [deferred.bind(e, vals, stacked, inside.pins[name].spec[1:], inside.mesh)]
+            outs = [deferred.bind(e, vals, stacked, stacked.base(inside.pins[name].spec), inside.mesh)]
         else:
             outs = bind_pinned(e, vals, inside, here)
         for v, x in zip(e.outvars, outs, strict=True):
@@ -108,8 +108,8 @@ def task_fn(
             if op.kind == "acc":
                 outs = [_acc(op, vals, sums.accumulators.get(var), mesh)]
             elif var in sums.values and deferred.made_stacked(op.eqn):
-                pin = pins[op.outs[0]]
-                outs = [deferred.bind(op.eqn, vals, sums.values[var], pin.spec[1:], mesh)]
+                stacked = sums.values[var]
+                outs = [deferred.bind(op.eqn, vals, stacked, stacked.base(pins[op.outs[0]].spec), mesh)]
             else:
                 outs = bind_pinned(op.eqn, vals, inside)
             for k, x in zip(op.outs, outs, strict=True):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import Counter
 from typing import Any
 
 import jax
@@ -176,8 +177,15 @@ def solve_stage(
     made = {name for op in ops for name in op.outs if name is not None}
     nodes = inputs_memory_only(nodes, producer, made)
     nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)
-    runs = {name: op.weight for op in ops for name in op.outs if name is not None}
     chains = deferred.gradient_chains(program.tasks, stage, lambda v: True)
+    adds = Counter(
+        op.outs[0][0]
+        for t in program.tasks
+        if t.stage == stage
+        for op in t.ops
+        if op.kind == "acc" and op.mode == "add"
+    )
+    runs = {chain.root: adds[chain.total] for chain in chains}
     nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution, groups = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)
     specs = {

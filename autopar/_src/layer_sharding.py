@@ -181,7 +181,7 @@ def _solve(
         nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
     elif microbatches > 1:
         chains = deferred.graph_chains(ops, carried, problems.loops)
-        runs = {root: microbatches for root, _, _ in chains}
+        runs = {chain.root: microbatches for chain in chains}
         nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)[0]
     return solution.objective, total_memory(nodes, solution.choices)
