@@ -127,29 +127,34 @@ class _ConvNet(nn.Module):
         return nn.Dense(10, name="head")(x.mean(axis=(1, 2)))
 
 
-def test_convolution_gradients_are_reduced_once_per_step():
-    model = _ConvNet()
-    images = jax.random.normal(jax.random.key(0), (4, 16, 16, 3))
-    params = model.init(jax.random.key(1), images[:1])["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=OPTIMIZERS["sgd"]())
+def _classifier_step(state, batch):
+    def loss_fn(p):
+        logits = state.apply_fn({"params": p}, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
-    def step(state, batch):
-        def loss_fn(p):
-            logits = state.apply_fn({"params": p}, batch["images"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
 
-        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
 
+def _classifier(model, optimizer, input_shape, classes, num_batches):
+    """``(state, batches)`` of ``model`` classifying random inputs (rows of ``input_shape[1:]``)."""
+    sample = jax.random.normal(jax.random.key(0), (4, *input_shape[1:]))
+    params = model.init(jax.random.key(1), sample)["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=OPTIMIZERS[optimizer]())
     batches = [
         {
-            "images": jax.random.normal(jax.random.key(10 + i), (512, 16, 16, 3)),
-            "labels": jax.random.randint(jax.random.key(20 + i), (512,), 0, 10),
+            "inputs": jax.random.normal(jax.random.key(10 + i), input_shape),
+            "labels": jax.random.randint(jax.random.key(20 + i), input_shape[:1], 0, classes),
         }
-        for i in range(2)
+        for i in range(num_batches)
     ]
+    return state, batches
+
+
+def test_convolution_gradients_are_reduced_once_per_step():
+    state, batches = _classifier(_ConvNet(), "sgd", (512, 16, 16, 3), 10, 2)
     par = assert_same_as_jit(
-        step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
+        _classifier_step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
     )
     exe = par.executable(state, batches[0])
     roots = {v.aval.shape for v, s in exe.deferred[0].values.items() if s.operand_specs is not None}
@@ -203,29 +208,15 @@ def test_gradients_made_inside_calls(wrap, kernels, deferred_inside):
     after its iterations' dim) and are reduced once per step. Inside a ``cond`` they are
     reduced every microbatch. The stage DP's costs (``layer_sharding``) find the same
     gradients as the driver."""
-    model = _WrappedNet(wrap)
-    x = jax.random.normal(jax.random.key(0), (4, 64))
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(1), x)["params"], tx=OPTIMIZERS["adamw"]()
-    )
-
-    def step(state, batch):
-        def loss_fn(p):
-            logits = state.apply_fn({"params": p}, batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    batches = [
-        {
-            "x": jax.random.normal(jax.random.key(10 + i), (4096, 64)),
-            "y": jax.random.randint(jax.random.key(20 + i), (4096,), 0, 16),
-        }
-        for i in range(3)
-    ]
+    state, batches = _classifier(_WrappedNet(wrap), "adamw", (4096, 64), 16, 3)
     par = assert_same_as_jit(
-        step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
+        _classifier_step,
+        state,
+        batches,
+        TOLERANCES["adamw"],
+        num_stages=1,
+        num_microbatches=4,
+        mesh_shape=(8,),
     )
     exe = par.executable(state, batches[0])
     kept = {str(list(v.aval.shape)).replace(" ", "") for v in exe.deferred[0].accumulators}
