@@ -12,7 +12,7 @@ from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 from flax.training import train_state
 
 import autopar
-from autopar._src import deferred, layer_sharding
+from autopar._src import deferred, layer_sharding, partial_chains
 from models import train
 from models.mlp import MLPConfig
 
@@ -221,9 +221,11 @@ def test_gradients_made_inside_calls(wrap, kernels, deferred_inside):
     exe = par.executable(state, batches[0])
     kept = {str(list(v.aval.shape)).replace(" ", "") for v in exe.deferred[0].accumulators}
     assert (kernels in kept) == deferred_inside, kept
-    chains = deferred.gradient_chains(exe.program.tasks, 0, lambda v: True)  # for any layout
+    chains = partial_chains.gradient_chains(exe.program.tasks, 0, lambda v: True)  # for any layout
     problems = layer_sharding.LayerProblems(exe.step)
-    priced = [c for ops in problems.ops for c in deferred.graph_chains(ops, problems.carried, problems.loops)]
+    priced = [
+        c for ops in problems.ops for c in partial_chains.graph_chains(ops, problems.carried, problems.loops)
+    ]
     assert (
         len(priced) == len({c.total for c in chains}) >= len(exe.deferred[0].accumulators)
     )  # one per microbatch
@@ -232,10 +234,11 @@ def test_gradients_made_inside_calls(wrap, kernels, deferred_inside):
         assert not _weight_shaped(per_microbatch, (kernels,)), per_microbatch
 
 
-def test_rematerialised_gpt_defers_its_block_gradients():
-    """GPT blocks as large GPTs are trained (``remat``): every gradient but the two embedding
-    tables' (scatter-added, not partial sums) is reduced once per step."""
-    config = train.tiny_config("gpt", remat=True)
+@pytest.mark.parametrize("blocks", [{"remat": True}, {"scan_layers": True}])
+def test_gpt_defers_its_block_gradients(blocks):
+    """GPT blocks as large GPTs are trained, rematerialised or scanned: every gradient but the
+    two embedding tables' (scatter-added, not partial sums) is reduced once per step."""
+    config = train.tiny_config("gpt", **blocks)
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
     batches = [train.make_batch("gpt", config, 64, seed=i) for i in range(3)]
     par = assert_same_as_jit(
@@ -244,4 +247,5 @@ def test_rematerialised_gpt_defers_its_block_gradients():
     exe = par.executable(state, batches[0])
     assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params)) - 2
     per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
-    assert not _weight_shaped(per_microbatch, ("[64,256]", "[256,64]")), per_microbatch
+    mlp = ("[64,256]", "[256,64]") if "remat" in blocks else ("[2,64,256]", "[2,256,64]")
+    assert not _weight_shaped(per_microbatch, mlp), per_microbatch

@@ -8,7 +8,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 import autopar
 from autopar._src import cluster as cluster_mod
-from autopar._src import deferred, layer_sharding, planning, trace
+from autopar._src import layer_sharding, partial_chains, planning, trace
 from autopar._src.intra_op import logical_mesh
 from autopar._src.layout_costs import shape_of
 from models import train
@@ -63,7 +63,7 @@ def test_every_mlp_gradient_is_made_as_partial_sums():
     roots = {}
     for ops in problems.ops:
         made = {n: op.eqn.primitive.name for op in ops for n in op.outs if n is not None}
-        for root, links, grad, _ in deferred.graph_chains(ops, problems.carried):
+        for root, links, grad, _ in partial_chains.graph_chains(ops, problems.carried):
             assert (links[-1] if links else root) == grad
             roots[grad] = made[root]
     # Kernels from the batch-contracting matmul, biases from the sum over the batch.
@@ -132,8 +132,8 @@ def test_pinned_layouts_and_the_memory_bound_of_the_free_layouts():
     # The bounded answers keep each layer's inputs within the pinned layouts' bytes per device.
     mesh = logical_mesh(spec, (1, 8), layer_sharding.AXES)
     pinned = problems.fixed(kernels, mesh)
-    for ops, ties in zip(problems.ops, problems.ties, strict=True):
-        key = (layer_sharding._signature(ops, pinned, problems.carried, ties), mesh, 1, "autopar")
+    for layer in range(len(problems.ops)):
+        key = layer_sharding.cache_key(problems, layer, pinned, mesh, 1, "autopar")
         (seconds, memory), bounded = layer_sharding._CACHE[key], layer_sharding._CACHE[(key, "memory_like")]
         assert bounded[1] <= memory * (1 + 1e-6) and bounded[0] <= seconds
     with pytest.raises(ValueError, match="not both"):

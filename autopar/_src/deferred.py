@@ -4,8 +4,9 @@ With several microbatches, a weight gradient whose layout finishes partial sums 
 axis (data parallelism's weight-gradient matmul contracts the batch split over ``data``)
 would be all-reduced once per microbatch. Instead, the task of each microbatch keeps every
 device's partial sum: the equation runs under ``shard_map`` on the local blocks and returns
-them stacked along a new leading dim split over the reduced axes, so it issues no collective.
-Casts and transposes on the way to the gradient are applied to each partial sum (they are
+them stacked along a new dim split over the reduced axes (first, or after the iterations' dim
+of a ``scan`` it leaves), so it issues no collective. Casts, transposes and reshapes on the way
+to the gradient, and the calls and scans it leaves, are applied to each partial sum (they are
 linear), the accumulator adds stacked partial sums in place, and the once-per-step mean sums
 the stacked dim (the one all-reduce) before it divides. Per device the stacked accumulator
 holds as many bytes as the reduced one. Megatron-LM and Alpa accumulate the same way.
@@ -15,9 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,16 +27,10 @@ from jax.sharding import Mesh, PartitionSpec
 from autopar._src import compat
 from autopar._src.collectives import Axes, Spec, entry_axes
 from autopar._src.layout_costs import spec_axes
+from autopar._src.partial_chains import PARTIAL_SUM_PRIMITIVES, Chain, gradient_chains, linear_link
 from autopar._src.program import Task
 from autopar._src.sharding_ilp import Edge, Node
-from autopar._src.strategy_graph import GraphOp, Inner
-
-PARTIAL_SUM_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
-"""Primitives whose result on local blocks is a partial sum of the result's block when a
-contracted (or reduced) dim is split: applied to every device's blocks and summed, they give
-the whole result."""
-LINEAR_PRIMITIVES = frozenset({"convert_element_type", "transpose", "copy", "copy_p", "reshape"})
-"""One-operand primitives that may be applied to each partial sum instead of to their sum."""
+from autopar._src.strategy_graph import Inner
 
 
 def reduced_axes(
@@ -84,26 +78,13 @@ class Stacked:
         return (*shape[: self.at], self.size(mesh), *shape[self.at :])
 
 
-class Chain(NamedTuple):
-    """How a gradient is made as partial sums (see :func:`gradient_chains`)."""
-
-    root: Any
-    """The value of the equation that makes the partial sums."""
-    links: list[Any]
-    """The values of the linear equations (and calls) from it, in order."""
-    total: Any
-    """The value that sums the last one over the microbatches (or, in one microbatch's
-    equations, the gradient)."""
-    at: dict[Any, int]
-    """The stacked dim's position (:attr:`Stacked.at`) of each link and the total."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Deferred:
     """What one stage keeps as partial sums."""
 
     values: dict[Any, Stacked]
-    """Per-microbatch values (jaxpr variables) made as stacked partial sums."""
+    """Per-microbatch values (jaxpr variables, and :class:`~autopar._src.strategy_graph.Inner`
+    names inside calls) made as stacked partial sums."""
     accumulators: dict[Any, Stacked]
     """Gradient-region outputs whose running sums over microbatches are stacked."""
 
@@ -117,8 +98,9 @@ def deferred_sums(
     """The gradients of ``stage`` whose reduction can wait for the last microbatch.
 
     A region output qualifies when its per-microbatch value is made in the task that adds it
-    to its accumulator, read by nothing else, by a chain of :data:`LINEAR_PRIMITIVES` from an
-    equation whose layout leaves partial sums (``partial_sums``: the sharding ILP's
+    to its accumulator, read by nothing else, by a chain of linear equations, calls and scans
+    (:func:`~autopar._src.partial_chains.gradient_chains`) from an equation whose layout leaves partial sums
+    (``partial_sums``: the sharding ILP's
     :attr:`~autopar._src.intra_op.StageSharding.partial_sums`), each link read only by the next,
     and neither the links nor the region output split over a summed axis (``specs``): a
     gradient laid out that way is reduce-scattered each microbatch, since its stacked sum
@@ -130,167 +112,22 @@ def deferred_sums(
         operand_specs, axes = partial_sums[chain.root]
         if any(set(axes) & spec_axes(specs.get(v, ())) for v in (*chain.links, chain.total)):
             continue  # split over a summed axis on the way: reduce-scatter each microbatch
+        if any(len(_aval(v).shape) < at for v, at in chain.at.items()):
+            continue  # a link folds the iterations' dims the stacked dim comes after
         values[chain.root] = Stacked(axes, operand_specs)
         values.update((v, Stacked(axes, at=chain.at[v])) for v in chain.links)
         accumulators[chain.total] = Stacked(axes, at=chain.at[chain.total])
     return Deferred(values, accumulators)
 
 
-def gradient_chains(tasks: Sequence[Task], stage: int, is_partial: Callable[[Any], bool]) -> list[Chain]:
-    """The :class:`Chain` of every gradient of ``stage`` that is made as partial sums: its root
-    by an equation of :data:`PARTIAL_SUM_PRIMITIVES` (for which ``is_partial`` holds for its
-    variable), its links by linear equations from it, the last one the value the accumulator
-    (the total) adds. The chain may pass out of nested ``jit`` and rematerialised calls (a
-    rematerialised block's weight gradients are made inside its backward call) and out of a
-    ``scan`` as a stacked result (a scanned layer stack's): their values are named
-    :class:`~autopar._src.strategy_graph.Inner` as the ILP names them, and the call's result
-    is a link."""
-    chains = []
-    for task in tasks:
-        if task.stage != stage:
-            continue
-        adds = [op for op in task.ops if op.kind == "acc" and op.mode == "add"]
-        made = {
-            k: (op.eqn, op.ins, index)
-            for op in task.ops
-            if op.kind == "eqn"
-            for index, k in enumerate(op.outs)
-            if k is not None
-        }
-        reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
-        reads.update(task.out_keys)
-
-        def descend(eqn: Any, index: int) -> list[Any] | None:
-            return _call_chain(eqn, index, (), is_partial)
-
-        for op in adds:
-            chain = _partial_chain(op.ins[1], made, reads, 0, is_partial, descend, name_of=lambda k: k[0])
-            if chain is not None:
-                chains.append(_chain(chain, op.outs[0][0]))
-    return chains
-
-
-def _chain(names: list[tuple[Any, int]], total: Any) -> Chain:
-    at = dict(names[1:])
-    at[total] = names[-1][1]
-    return Chain(names[0][0], [name for name, _ in names[1:]], total, at)
-
-
-def graph_chains(
-    ops: Sequence[GraphOp], grads: Iterable[Any], loops: frozenset[int] = frozenset()
-) -> list[Chain]:
-    """:func:`gradient_chains` of one microbatch's equations (named values, calls expanded, see
-    :class:`~autopar._src.strategy_graph.GraphOp`), for the gradients ``grads`` (each chain's
-    total; the positions ``at`` are not kept). Chains through values inside the loops or
-    branches ``loops`` (the ids of their equations, see :func:`loop_ids`) are left out: the
-    driver reduces those gradients each microbatch."""
-    made = {
-        out: (op.eqn, op.ins, index) for op in ops for index, out in enumerate(op.outs) if out is not None
-    }
-    reads = Counter(name for op in ops for name in op.ins if name is not None)
-    chains = []
-    for g in grads:
-        chain = _partial_chain(g, made, reads, 0, lambda name: True, lambda eqn, index: None)
-        if chain is not None and not any(
-            isinstance(name, Inner) and loops.intersection(name.path) for name, _ in chain
-        ):
-            chains.append(Chain(chain[0][0], [name for name, _ in chain[1:]], g, {}))
-    return chains
-
-
-def loop_ids(jaxpr: Any) -> frozenset[int]:
-    """The ids of the ``while`` and ``cond`` equations in ``jaxpr`` and the calls in it."""
-    found: set[int] = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("while", "cond"):
-            found.add(id(eqn))
-        for body in compat.sub_jaxprs(eqn):
-            found |= loop_ids(body)
-    return frozenset(found)
-
-
-def _partial_chain(
-    name: Any,
-    made: Mapping[Any, tuple[Any, Sequence[Any], int]],
-    reads: Mapping[Any, int],
-    first_reads: int,
-    is_partial: Callable[[Any], bool],
-    descend: Callable[[Any, int], tuple[list[tuple[Any, int]], int] | None],
-    name_of: Callable[[Any], Any] = lambda name: name,
-) -> list[tuple[Any, int]] | None:
-    """``(name, stacked dim position)`` from a partial-sum equation's result to ``name`` (read
-    ``first_reads`` times), each link read only by the next; None if there is no such chain.
-    ``made`` maps a value to its equation, operands and result index; ``descend(eqn, index)``
-    is the chain inside a call whose ``index``-th result is a link, and how many dims the call
-    puts before the stacked one, if any."""
-    chain: list[Any] = []
-    while name is not None and not compat.is_literal(name) and name in made:
-        if reads.get(name, 0) != (1 if chain else first_reads):
-            return None
-        eqn, ins, index = made[name]
-        chain.append(name_of(name))
-        if eqn.primitive.name in PARTIAL_SUM_PRIMITIVES and is_partial(chain[-1]):
-            return [(n, 0) for n in reversed(chain)]
-        inside = descend(eqn, index)
-        if inside is not None:
-            inner, lift = inside
-            return inner + [(n, inner[-1][1] + lift) for n in reversed(chain)]
-        if not _linear(eqn, ins):
-            return None
-        name = ins[0]
-    return None
-
-
-def _linear(eqn: Any, ins: Sequence[Any]) -> bool:
-    """Whether ``eqn`` is a one-operand equation that may be applied to each partial sum: one
-    of :data:`LINEAR_PRIMITIVES`, or a broadcast that only adds unit dims."""
-    if len(ins) != 1:
-        return False
-    if eqn.primitive.name == "broadcast_in_dim":
-        return math.prod(eqn.invars[0].aval.shape) == math.prod(eqn.outvars[0].aval.shape)
-    return eqn.primitive.name in LINEAR_PRIMITIVES
-
-
-def _call_chain(
-    eqn: Any, index: int, path: tuple[int, ...], is_partial: Callable[[Any], bool]
-) -> tuple[list[tuple[Any, int]], int] | None:
-    """The chain that ends at result ``index`` of ``eqn`` inside its body, and the dims the
-    equation puts before the stacked dim (a ``scan``'s stacked result: 1), for a nested
-    ``jit`` or rematerialised call or a ``scan``'s stacked result; None for other equations
-    and results, or if there is none."""
-    loop = compat.scan_loop(eqn)
-    if loop is not None:
-        body = loop.body if index >= loop.num_carry else None
-    elif compat.is_call(eqn) or compat.remat_body(eqn) is not None:
-        body = compat.inlinable_body(eqn)
-    else:
-        body = None
-    if body is None:
-        return None
-    here = (*path, id(eqn))
-    made = {
-        Inner(here, v): (e, [None if compat.is_literal(a) else Inner(here, a) for a in e.invars], k)
-        for e in body.eqns
-        for k, v in enumerate(e.outvars)
-        if not compat.is_dropvar(v)
-    }
-    reads = Counter(Inner(here, a) for e in body.eqns for a in e.invars if not compat.is_literal(a))
-    reads.update(Inner(here, v) for v in body.outvars if not compat.is_literal(v))
-    out = body.outvars[index]
-    if compat.is_literal(out):
-        return None
-
-    def descend(inner_eqn: Any, k: int) -> tuple[list[tuple[Any, int]], int] | None:
-        return _call_chain(inner_eqn, k, here, is_partial)
-
-    chain = _partial_chain(Inner(here, out), made, reads, 1, is_partial, descend)
-    return None if chain is None else (chain, int(loop is not None))
+def _aval(name: Any) -> Any:
+    return name.var.aval if isinstance(name, Inner) else name.aval
 
 
 def made_stacked(eqn: Any) -> bool:
     """Whether a stacked result of ``eqn`` is made by :func:`bind` (a partial-sum or linear
     equation), rather than by a call whose body makes it."""
-    return eqn.primitive.name in PARTIAL_SUM_PRIMITIVES or _linear(eqn, eqn.invars)
+    return eqn.primitive.name in PARTIAL_SUM_PRIMITIVES or linear_link(eqn, eqn.invars)
 
 
 def bind(eqn: Any, vals: list[Any], stacked: Stacked, out_spec: Spec, mesh: Mesh) -> Any:
@@ -333,18 +170,21 @@ def priced_once(
     axis_names: Sequence[str],
 ) -> tuple[tuple[Node, ...], tuple[Edge, ...]]:
     """The strategy graph with each gradient's partial-sum all-reduce priced once per step, as
-    the driver runs it (``chains`` from :func:`gradient_chains`; ``runs``: per chain root, the
-    microbatches its gradient is summed over, each op's costs being already scaled by the times
-    it runs, so a root inside a ``scan`` pays one all-reduce of all its iterations). Where the
-    value the accumulator adds splits over a summed axis the driver reduces each microbatch, so
-    that pair of choices (the root's and that value's) gets the difference back on an edge."""
+    the driver runs it (``chains`` from :func:`~autopar._src.partial_chains.gradient_chains`;
+    ``runs``: per chain root, the microbatches its gradient is summed over, each op's costs
+    being already scaled by the times it runs, so a root inside a ``scan`` pays one all-reduce
+    of all its iterations). Where the value the accumulator adds splits over a summed axis the
+    driver reduces each microbatch, so that pair of choices (the root's and that value's) gets
+    the difference back on an edge."""
     nodes, edges = list(nodes), list(edges)
     at_edge = {(e.src, e.dst): k for k, e in enumerate(edges)}
+    seen = set()
     for chain in chains:
         root, links = chain.root, chain.links
         runs_per_step = runs.get(root, 1)
-        if root not in producer or runs_per_step <= 1:
-            continue
+        if root not in producer or runs_per_step <= 1 or root in seen:
+            continue  # (each microbatch's task gives the same chain)
+        seen.add(root)
         i = producer[root][0]
         summed = [
             set(reduced_axes(s.input_specs, s.output_specs[0], axis_names)) for s in nodes[i].strategies

@@ -196,7 +196,7 @@ class Executable:
 
     def abstract(self, key: Key, stage: int) -> jax.ShapeDtypeStruct:
         """Shape, dtype and sharding of ``key`` as ``stage``'s tasks hold it (a stacked running
-        sum has its partial sums' dim first, see :mod:`~autopar._src.deferred`)."""
+        sum has its partial sums' dim, see :class:`~autopar._src.deferred.Stacked`)."""
         aval = key[0].aval
         stacked = self.deferred[stage].accumulators.get(key[0]) if _is_accumulator(key) else None
         shape = tuple(aval.shape) if stacked is None else stacked.shape(aval.shape, self.meshes[stage])

@@ -49,7 +49,7 @@ def bind_pinned(eqn: Any, vals: list[Any], inside: Inside, path: tuple[int, ...]
     values the ILP laid out inside them pinned (``inside``): a ``jit`` body inline; a
     rematerialised ``scan`` or ``while`` body re-traced into the same equation; ``cond``
     branches re-traced by ``lax.switch``. Values inside kept as partial sums come out of their
-    ``jit`` or rematerialised call stacked."""
+    ``jit`` or rematerialised call or ``scan`` stacked."""
     here = (*path, id(eqn))
     pinned = bool(inside.pins)
     branches = expandable_branches(eqn) if pinned else None

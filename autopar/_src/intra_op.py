@@ -19,7 +19,7 @@ from typing import Any
 import jax
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, deferred, layers
+from autopar._src import compat, deferred, layers, partial_chains
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
@@ -177,7 +177,11 @@ def solve_stage(
     made = {name for op in ops for name in op.outs if name is not None}
     nodes = inputs_memory_only(nodes, producer, made)
     nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)
-    chains = deferred.gradient_chains(program.tasks, stage, lambda v: True)
+    # Links as the graph names them (a call's or scan's result is an alias of a body value).
+    chains = [
+        c._replace(links=[alias_root(alias, v) for v in c.links])
+        for c in partial_chains.gradient_chains(program.tasks, stage, lambda v: True)
+    ]
     adds = Counter(
         op.outs[0][0]
         for t in program.tasks
@@ -202,7 +206,7 @@ def solve_stage(
     partial_sums = {}
     for op in ops:
         name = op.outs[0] if len(op.outs) == 1 else None
-        if name in strategies and op.eqn.primitive.name in deferred.PARTIAL_SUM_PRIMITIVES:
+        if name in strategies and op.eqn.primitive.name in partial_chains.PARTIAL_SUM_PRIMITIVES:
             i, _ = producer[name]
             chosen = nodes[i].strategies[solution.choices[i]]
             axes = deferred.reduced_axes(chosen.input_specs, chosen.output_specs[0], mesh.axis_names)

@@ -28,14 +28,14 @@ from typing import Any, Literal
 import numpy as np
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, deferred, layers, partition
+from autopar._src import compat, deferred, layers, partial_chains, partition
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
 from autopar._src.intra_op import alias_root, inputs_memory_only, logical_mesh
 from autopar._src.layout_costs import MeshSpec, divides, shape_of
 from autopar._src.sharding_ilp import Edge, Node, total_memory
-from autopar._src.strategy_graph import GraphOp, Tie, graph_of
+from autopar._src.strategy_graph import GraphOp, Inner, Tie, graph_of
 from autopar._src.trace import TracedStep
 
 AXES = ("data", "model")
@@ -75,8 +75,9 @@ class LayerProblems:
         grads = [name(v) for v in rj.outvars[len(rj.outvars) - info.num_grads :]]
         self.carried = {g: p for g, p in zip(grads, diff, strict=True) if g is not None and g != p}
         """Each gradient -> the parameter it updates."""
-        self.loops = deferred.loop_ids(rj)
-        """The ids of the loops and branches in the grad region (see :func:`deferred.graph_chains`)."""
+        self.loops = partial_chains.loop_ids(rj)
+        """The ids of the loops and branches in the grad region (see
+        :func:`~autopar._src.partial_chains.graph_chains`)."""
         arg_index = {v: i for i, v in enumerate(step.arg_vars)}
         self.region_arg = {
             r: arg_index[v]
@@ -84,6 +85,15 @@ class LayerProblems:
             if not compat.is_literal(v) and v in arg_index
         }
         """Region input -> the index of the step argument it is."""
+
+    def in_loops(self, layer: int) -> tuple[int, ...]:
+        """Indices of ``layer``'s ops inside :attr:`loops`' bodies (their gradients are priced
+        as reduced each microbatch, so two layers alike but for these are priced apart)."""
+        return tuple(
+            k
+            for k, op in enumerate(self.ops[layer])
+            if any(isinstance(n, Inner) and self.loops.intersection(n.path) for n in op.outs)
+        )
 
     def fixed(self, layouts: Mapping[int, Spec] | None, mesh: MeshSpec) -> dict[Any, Spec]:
         """Region input -> layout on ``mesh`` of the arguments ``layouts`` gives, each axis kept
@@ -163,6 +173,20 @@ def gradient_tail(ops: Sequence[GraphOp], grads: Sequence[Any]) -> set[int]:
     return tail
 
 
+def cache_key(
+    problems: LayerProblems,
+    layer: int,
+    pinned: Mapping[Any, Spec],
+    mesh: MeshSpec,
+    microbatches: int,
+    gradients: Gradients,
+) -> tuple[Any, ...]:
+    """The key of ``layer``'s solve in the process cache: layers alike share it."""
+    ops, ties = problems.ops[layer], problems.ties[layer]
+    signature = _signature(ops, pinned, problems.carried, ties)
+    return (signature, problems.in_loops(layer), mesh, microbatches, gradients)
+
+
 def _solve(
     problems: LayerProblems,
     layer: int,
@@ -180,7 +204,7 @@ def _solve(
     if microbatches > 1 and gradients == "megatron":
         nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
     elif microbatches > 1:
-        chains = deferred.graph_chains(ops, carried, problems.loops)
+        chains = partial_chains.graph_chains(ops, carried, problems.loops)
         runs = {chain.root: microbatches for chain in chains}
         nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)[0]
@@ -266,8 +290,8 @@ def layer_latency(
         for q, shape in enumerate(shapes):
             mesh = logical_mesh(spec, tuple(shape), AXES, dtype, platform=platform)
             pinned = problems.fixed(fixed or memory_like, mesh)
-            for i, (ops, ties) in enumerate(zip(problems.ops, problems.ties, strict=True)):
-                key = (_signature(ops, pinned, problems.carried, ties), mesh, microbatches, gradients)
+            for i in range(len(problems.ops)):
+                key = cache_key(problems, i, pinned, mesh, microbatches, gradients)
                 if key not in _CACHE:
                     _CACHE[key] = _solve(problems, i, mesh, pinned, None, time_limit, microbatches, gradients)
                 seconds, memory = _CACHE[key]
