@@ -6,7 +6,7 @@ plan and layouts, run by the driver both ways (``Executable.defer_reductions``),
 the all-reduce instructions of one step (summed over the compiled tasks; XLA combines the
 all-reduces of one task into one) and the step times, measured alternating round by round.
 
-    python benchmarks/gradient_reductions.py [--microbatches 8] [--hidden 1024] [--rounds 20]
+    python benchmarks/gradient_reductions.py [--microbatches 8] [--hidden 1024] [--batch-size 8192]
     python benchmarks/gradient_reductions.py --model gpt-remat --hidden 256 --batch-size 256 --rounds 10
 
 ``--model gpt-remat`` is a two-block GPT (sequences of 32 tokens, vocabulary 1024) with
@@ -60,8 +60,8 @@ def main() -> None:
     parser.add_argument(
         "--hidden", type=int, default=1024, help="width of the MLP's three layers or the GPT's"
     )
-    parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=8192)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--out-dir", default=_common.RESULTS, help="directory of the results file")
     args = parser.parse_args()
