@@ -234,7 +234,10 @@ def test_gradients_made_inside_calls(wrap, kernels, deferred_inside):
         assert not _weight_shaped(per_microbatch, (kernels,)), per_microbatch
 
 
-@pytest.mark.parametrize("blocks", [{"remat": True}, {"scan_layers": True}])
+# Scanned blocks' mechanics are covered by test_gradients_made_inside_calls[scan] too.
+@pytest.mark.parametrize(
+    "blocks", [{"remat": True}, pytest.param({"scan_layers": True}, marks=pytest.mark.slow)]
+)
 def test_gpt_defers_its_block_gradients(blocks):
     """GPT blocks as large GPTs are trained, rematerialised or scanned: every gradient but the
     two embedding tables' (scatter-added, not partial sums) is reduced once per step."""
