@@ -1,0 +1,136 @@
+"""Strategies of the equations that move, add or drop dims (reshape, transpose, broadcast,
+slices, cumulative ops): a split of the operand survives where its dim maps to an output dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autopar._src.collectives import Axes, Spec
+from autopar._src.layout_costs import (
+    MeshSpec,
+    broadcast_spec,
+    candidate_specs,
+    collective_cost,
+    divides,
+    priced_strategy,
+    replicated_strategies,
+    shape_of,
+    share_bytes,
+    spec_name,
+    split_axes,
+)
+from autopar._src.sharding_ilp import Strategy
+
+DIM_MAP_PRIMITIVES: frozenset[str] = frozenset(
+    "reshape transpose broadcast_in_dim squeeze rev slice pad dynamic_slice "
+    "dynamic_update_slice cumsum cumprod cummax cummin cumlogsumexp".split()
+)
+"""Primitives that move, add or drop dims; a split survives where a dim maps through."""
+
+
+def _reshape_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
+    """Input dim -> output dim for the major non-trivial dim of each group of merged/split dims.
+
+    Splitting the major dim of a group in blocks is the same as splitting the merged dim in blocks.
+    """
+    mapping, i, j = {}, 0, 0
+    while i < len(in_shape) or j < len(out_shape):
+        gi, gj = [i], [j]
+        pi = in_shape[i] if i < len(in_shape) else 1
+        pj = out_shape[j] if j < len(out_shape) else 1
+        i, j = i + 1, j + 1
+        while pi != pj:
+            if pi < pj and i < len(in_shape):
+                pi, i = pi * in_shape[i], i + 1
+                gi.append(i - 1)
+            elif j < len(out_shape):
+                pj, j = pj * out_shape[j], j + 1
+                gj.append(j - 1)
+            else:
+                return mapping
+        majors_in = [d for d in gi if d < len(in_shape) and in_shape[d] > 1]
+        majors_out = [d for d in gj if d < len(out_shape) and out_shape[d] > 1]
+        if majors_in and majors_out:
+            mapping[majors_in[0]] = majors_out[0]
+    return mapping
+
+
+def _dim_map(eqn: Any) -> tuple[dict[int, int], frozenset[int]] | None:
+    """(input dim -> output dim where a split carries over, output dims free to split), or None."""
+    name, p = eqn.primitive.name, eqn.params
+    in_shape, out_shape = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
+    same = range(len(in_shape))
+    if name == "transpose":
+        return {d: j for j, d in enumerate(p["permutation"])}, frozenset()
+    if name == "reshape":
+        return None if p.get("dimensions") is not None else (_reshape_map(in_shape, out_shape), frozenset())
+    if name == "squeeze":
+        dims = {d % len(in_shape) for d in p["dimensions"]}
+        return {d: j for j, d in enumerate(x for x in same if x not in dims)}, frozenset()
+    if name == "broadcast_in_dim":
+        bd = p["broadcast_dimensions"]
+        mapping = {i: j for i, j in enumerate(bd) if in_shape[i] == out_shape[j]}
+        return mapping, frozenset(range(len(out_shape))) - frozenset(mapping.values())
+    if name in ("rev",):
+        return {d: d for d in same if d not in p["dimensions"]}, frozenset()
+    if name.startswith("cum"):
+        return {d: d for d in same if d != p["axis"] % len(in_shape)}, frozenset()
+    if name in ("slice", "dynamic_slice", "dynamic_update_slice", "pad"):
+        if name == "pad":
+            keep = [tuple(c) == (0, 0, 0) for c in p["padding_config"]]
+        else:  # dims the slice or update covers whole
+            other = out_shape if name != "dynamic_update_slice" else shape_of(eqn.invars[1])
+            keep = [in_shape[d] == other[d] for d in same]
+        return {d: d for d in same if keep[d]}, frozenset()
+    return None
+
+
+def dim_map_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    """Strategies of an equation of :data:`DIM_MAP_PRIMITIVES`: each split of its operand
+    carried to the output dim it maps to (and back), else the dim wanted whole; a ``dynamic_slice``
+    lookup of rows of a row-split table also gets a masked slice and an all-reduce."""
+    mapped = _dim_map(eqn)
+    if mapped is None:
+        return replicated_strategies(eqn, mesh)
+    forward, free = mapped
+    backward = {j: i for i, j in forward.items()}
+    in_shape, out_shape = shape_of(eqn.invars[0]), shape_of(eqn.outvars[0])
+    pairs: dict[Spec, Spec] = {}
+    for spec in candidate_specs(in_shape, mesh):
+        out: list[Axes] = [None] * len(out_shape)
+        kept = list(spec)
+        for d, a in enumerate(spec):
+            if a is not None and d in forward and divides(out_shape, forward[d], a, mesh):
+                out[forward[d]] = a
+            else:
+                kept[d] = None  # the split cannot be mapped: this strategy wants that dim whole
+        pairs.setdefault(tuple(out), tuple(kept))
+    for spec in candidate_specs(out_shape, mesh):
+        ins: list[Axes] = [None] * len(in_shape)
+        out = list(spec)
+        for j, a in enumerate(spec):
+            if a is not None and j in backward and divides(in_shape, backward[j], a, mesh):
+                ins[backward[j]] = a
+            elif j not in free:
+                out[j] = None
+        pairs.setdefault(tuple(out), tuple(ins))
+    result = []
+    for out_spec, in_spec in pairs.items():
+        others = [broadcast_spec(in_spec, in_shape, shape_of(v)) for v in eqn.invars[1:]]
+        result.append(priced_strategy(spec_name(out_spec), eqn, mesh, [in_spec, *others], [out_spec]))
+    axes, sliced = split_axes(mesh), [d for d in range(len(in_shape)) if d not in forward]
+    if (
+        eqn.primitive.name == "dynamic_slice"
+        and axes
+        and sliced
+        and divides(in_shape, sliced[0], axes[-1], mesh)
+    ):
+        # take-style lookup of rows of a row-split table: masked slice + all-reduce
+        axis, out_spec = axes[-1], (None,) * len(out_shape)
+        in_spec = tuple(axis if d == sliced[0] else None for d in range(len(in_shape)))
+        comm = collective_cost("allreduce", share_bytes(eqn.outvars[0], out_spec, mesh), axis, mesh)
+        specs = [in_spec] + [(None,) * len(shape_of(v)) for v in eqn.invars[1:]]
+        result.append(priced_strategy(f"vocab[{axis}]", eqn, mesh, specs, [out_spec], comm=comm, weight=0))
+    return tuple(result)
