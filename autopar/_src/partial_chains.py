@@ -40,7 +40,8 @@ class Chain(NamedTuple):
     """The value that sums the last one over the microbatches (or, in one microbatch's
     equations, the gradient)."""
     at: dict[Any, int]
-    """The stacked dim's position (:attr:`Stacked.at`) of each link and the total."""
+    """The stacked dim's position (:attr:`~autopar._src.deferred.Stacked.at`) of each link and
+    the total."""
 
 
 def gradient_chains(tasks: Sequence[Task], stage: int, is_partial: Callable[[Any], bool]) -> list[Chain]:
