@@ -79,11 +79,8 @@ def main() -> None:
     from models.mlp import MLPConfig
 
     if args.model == "mlp":
-        kind, config = (
-            "mlp",
-            MLPConfig(features=(args.hidden,) * 2, in_features=args.hidden, num_classes=args.hidden),
-        )
-        what = f"MLP, 3 layers of width {args.hidden}"
+        kind, what = "mlp", f"MLP, 3 layers of width {args.hidden}"
+        config = MLPConfig(features=(args.hidden,) * 2, in_features=args.hidden, num_classes=args.hidden)
     else:
         heads = max(args.hidden // 64, 1)
         config = GPTConfig(

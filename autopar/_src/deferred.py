@@ -99,8 +99,8 @@ def deferred_sums(
 
     A region output qualifies when its per-microbatch value is made in the task that adds it
     to its accumulator, read by nothing else, by a chain of linear equations, calls and scans
-    (:func:`~autopar._src.partial_chains.gradient_chains`) from an equation whose layout leaves partial sums
-    (``partial_sums``: the sharding ILP's
+    (:func:`~autopar._src.partial_chains.gradient_chains`) from an equation whose layout
+    leaves partial sums (``partial_sums``: the sharding ILP's
     :attr:`~autopar._src.intra_op.StageSharding.partial_sums`), each link read only by the next,
     and neither the links nor the region output split over a summed axis (``specs``): a
     gradient laid out that way is reduce-scattered each microbatch, since its stacked sum

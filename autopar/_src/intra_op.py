@@ -182,14 +182,7 @@ def solve_stage(
         c._replace(links=[alias_root(alias, v) for v in c.links])
         for c in partial_chains.gradient_chains(program.tasks, stage, lambda v: True)
     ]
-    adds = Counter(
-        op.outs[0][0]
-        for t in program.tasks
-        if t.stage == stage
-        for op in t.ops
-        if op.kind == "acc" and op.mode == "add"
-    )
-    runs = {chain.root: adds[chain.total] for chain in chains}
+    runs = Counter(c.root for c in chains)  # one chain per microbatch's task
     nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution, groups = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)
     specs = {

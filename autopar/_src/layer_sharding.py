@@ -85,15 +85,16 @@ class LayerProblems:
             if not compat.is_literal(v) and v in arg_index
         }
         """Region input -> the index of the step argument it is."""
-
-    def in_loops(self, layer: int) -> tuple[int, ...]:
-        """Indices of ``layer``'s ops inside :attr:`loops`' bodies (their gradients are priced
-        as reduced each microbatch, so two layers alike but for these are priced apart)."""
-        return tuple(
-            k
-            for k, op in enumerate(self.ops[layer])
-            if any(isinstance(n, Inner) and self.loops.intersection(n.path) for n in op.outs)
-        )
+        self.in_loops = [
+            tuple(
+                k
+                for k, op in enumerate(layer_ops)
+                if any(isinstance(n, Inner) and self.loops.intersection(n.path) for n in op.outs)
+            )
+            for layer_ops in ops
+        ]
+        """Per layer, the indices of its ops inside :attr:`loops`' bodies (their gradients are
+        priced as reduced each microbatch, so two layers alike but for these are priced apart)."""
 
     def fixed(self, layouts: Mapping[int, Spec] | None, mesh: MeshSpec) -> dict[Any, Spec]:
         """Region input -> layout on ``mesh`` of the arguments ``layouts`` gives, each axis kept
@@ -184,7 +185,7 @@ def cache_key(
     """The key of ``layer``'s solve in the process cache: layers alike share it."""
     ops, ties = problems.ops[layer], problems.ties[layer]
     signature = _signature(ops, pinned, problems.carried, ties)
-    return (signature, problems.in_loops(layer), mesh, microbatches, gradients)
+    return (signature, problems.in_loops[layer], mesh, microbatches, gradients)
 
 
 def _solve(

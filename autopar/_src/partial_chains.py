@@ -53,6 +53,10 @@ def gradient_chains(tasks: Sequence[Task], stage: int, is_partial: Callable[[Any
     ``scan`` as a stacked result (a scanned layer stack's): their values are named
     :class:`~autopar._src.strategy_graph.Inner` as the ILP names them, and the call's result
     is a link."""
+
+    def descend(eqn: Any, index: int) -> tuple[list[tuple[Any, int]], int] | None:
+        return _call_chain(eqn, index, (), is_partial)
+
     chains = []
     for task in tasks:
         if task.stage != stage:
@@ -67,10 +71,6 @@ def gradient_chains(tasks: Sequence[Task], stage: int, is_partial: Callable[[Any
         }
         reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
         reads.update(task.out_keys)
-
-        def descend(eqn: Any, index: int) -> tuple[list[tuple[Any, int]], int] | None:
-            return _call_chain(eqn, index, (), is_partial)
-
         for op in adds:
             chain = _partial_chain(op.ins[1], made, reads, 0, is_partial, descend, name_of=lambda k: k[0])
             if chain is not None:
@@ -89,7 +89,7 @@ def graph_chains(
 ) -> list[Chain]:
     """:func:`gradient_chains` of one microbatch's equations (named values, calls expanded, see
     :class:`~autopar._src.strategy_graph.GraphOp`), for the gradients ``grads`` (each chain's
-    total; the positions ``at`` are not kept). Chains through values inside the loops or
+    total). Chains through values inside the loops or
     branches ``loops`` (the ids of their equations, see :func:`loop_ids`) are left out: the
     driver reduces those gradients each microbatch."""
     made = {
@@ -102,7 +102,7 @@ def graph_chains(
         if chain is not None and not any(
             isinstance(name, Inner) and loops.intersection(name.path) for name, _ in chain
         ):
-            chains.append(Chain(chain[0][0], [name for name, _ in chain[1:]], g, {}))
+            chains.append(_chain(chain, g))
     return chains
 
 
@@ -167,12 +167,7 @@ def _call_chain(
     ``jit`` or rematerialised call or a ``scan``'s stacked result; None for other equations
     and results, or if there is none."""
     loop = compat.scan_loop(eqn)
-    if loop is not None:
-        body = loop.body if index >= loop.num_carry else None
-    elif compat.is_call(eqn) or compat.remat_body(eqn) is not None:
-        body = compat.inlinable_body(eqn)
-    else:
-        body = None
+    body = None if loop is not None and index < loop.num_carry else compat.inlinable_body(eqn)
     if body is None:
         return None
     here = (*path, id(eqn))
