@@ -21,16 +21,20 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common  # noqa: E402
 
-CASES = [
-    ("gpt", "gpt-small", 1),
-    ("gpt", "gpt-small", 2),
-    ("gpt", "gpt-small", 4),
-    ("bert", "bert-small", 2),
-    ("bert", "bert-small", 4),
-    ("wresnet", "wresnet-tiny", 1),
-    ("wresnet", "wresnet-tiny", 2),
-    ("moe", "moe-tiny", 1),
-    ("moe", "moe-tiny", 2),
+CASES = [  # (family, preset, stages, each stage's (data, model) mesh; None: sharding="data")
+    ("gpt", "gpt-small", 1, None),
+    ("gpt", "gpt-small", 2, None),
+    ("gpt", "gpt-small", 4, None),
+    ("bert", "bert-small", 2, None),
+    ("bert", "bert-small", 4, None),
+    ("wresnet", "wresnet-tiny", 1, None),
+    ("wresnet", "wresnet-tiny", 2, None),
+    ("moe", "moe-tiny", 1, None),
+    ("moe", "moe-tiny", 2, None),
+    ("gpt", "gpt-small", 1, (4, 2)),
+    ("gpt", "gpt-small", 2, (2, 2)),
+    ("bert", "bert-small", 2, (1, 4)),
+    ("moe", "moe-tiny", 1, (2, 4)),
 ]
 
 
@@ -52,6 +56,7 @@ def main() -> None:
     headers = [
         "model",
         "stages",
+        "sharding",
         "stage",
         "devices",
         "predicted MiB",
@@ -61,7 +66,7 @@ def main() -> None:
     ]
     rows = []
     errors = []
-    for kind, name, num_stages in CASES:
+    for kind, name, num_stages, mesh_shape in CASES:
         _, config = registry.lookup(name)
         step, state = train.setup(kind, "linen", config, optax.adamw(1e-3))
         batch = train.make_batch(kind, config, args.batch_size)
@@ -71,7 +76,8 @@ def main() -> None:
             num_microbatches=args.microbatches,
             schedule="1f1b",
             donate_argnums=0,
-            sharding="data",
+            sharding="data" if mesh_shape is None else "auto",
+            mesh_shape=mesh_shape,
         )
         exe = par.executable(state, batch)
         prof = profile.layer_profile(exe.step, exe.batch_leaf_ids)
@@ -84,6 +90,7 @@ def main() -> None:
                 [
                     name,
                     num_stages,
+                    "data" if mesh_shape is None else f"ILP on {mesh_shape}",
                     s,
                     len(exe.plan.stages[s].device_ids),
                     f"{predicted / 2**20:.2f}",

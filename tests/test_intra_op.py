@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
 from autopar._src import cluster as cluster_mod
-from autopar._src import clustering, intra_op, transfers
+from autopar._src import clustering, intra_op, planner, profile, transfers
 from models import train
 from models.mlp import MLPConfig
 
@@ -127,18 +127,24 @@ def test_attention_splits_heads():
     assert [k for k, _ in _collectives(hlo, "GPT/block_0/attn/out/dot_general")] == ["all-reduce"]
 
 
-def _tight_cluster(state, fraction):
+def _tight_cluster(step, state, batch, fraction):
+    """A cluster whose devices leave the ILP ``fraction`` of the state's bytes for the state."""
     total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(state))
     base = cluster_mod.preset("cpu")
-    # The ILP gets the device memory less the planner's headroom.
-    memory = int(fraction * total / (1 - autopar._src.planner.MEMORY_HEADROOM))
+    exe = autopar.autoparallel(step, num_stages=1, mesh_shape=(8,), cluster=base).executable(state, batch)
+    parts = planner.planned_peak(profile.layer_profile(exe.step, exe.batch_leaf_ids), exe.plan, 0)
+    # The ILP gets the device memory less the planner's headroom and the rest of the memory
+    # model's peak (gradient sums, transients) for the state and the stashes.
+    memory = int((fraction * total + parts.stashes + parts.rest) / (1 - planner.MEMORY_HEADROOM))
     return dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=memory))
 
 
 def test_tight_memory_shards_optimizer_state():
     config = MLPConfig(features=(256,), in_features=64, num_classes=16)
     step, state, batches = _mlp(config, 8)
-    ample = autopar.autoparallel(step, num_stages=1, mesh_shape=(8,), cluster=_tight_cluster(state, 100))
+    ample = autopar.autoparallel(
+        step, num_stages=1, mesh_shape=(8,), cluster=_tight_cluster(step, state, batches[0], 100)
+    )
     ample_specs = _leaf_specs(ample.executable(state, batches[0]), state)
     head = ["['head']['kernel']", "['head']['bias']"]
     opt_state = [f".opt_state[0].{m}{p}" for m in ("mu", "nu") for p in head]
@@ -151,7 +157,7 @@ def test_tight_memory_shards_optimizer_state():
         num_stages=1,
         num_microbatches=1,
         mesh_shape=(8,),
-        cluster=_tight_cluster(state, 0.25),
+        cluster=_tight_cluster(step, state, batches[0], 0.25),
     )
     exe = par.executable(state, batches[0])
     specs = _leaf_specs(exe, state)

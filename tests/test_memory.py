@@ -1,9 +1,13 @@
 """The memory model against the compiled program's per-device peak."""
 
+import dataclasses
+
 import optax
 import pytest
+from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
 import autopar
+from autopar._src import cluster as cluster_mod
 from autopar._src import memory, profile
 from models import train
 
@@ -40,3 +44,32 @@ def test_gpipe_holds_more_activations_than_1f1b():
     # Stage 0 keeps 4 microbatches in flight under GPipe, 2 under 1F1B: model and program agree.
     assert peaks["gpipe"][0] > peaks["1f1b"][0]
     assert peaks["gpipe"][1] > peaks["1f1b"][1]
+
+
+def test_tight_stage_layouts_fit_the_device_with_their_stashes():
+    # On a (1, 4) mesh with room, the ILP keeps tiny GPT's attention activations whole (fewer
+    # collectives), so the 2 and 1 microbatches in flight stash 4x what the memory model's
+    # split stash assumes. Tight, each stage's ILP counts its stashes against what the model
+    # leaves of the device after gradient sums and transients, and the program fits.
+    config = train.tiny_config("gpt", num_layers=4)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("gpt", config, 16, seed=i) for i in range(3)]
+    options = dict(num_stages=2, mesh_shape=(1, 4), num_microbatches=4)
+
+    def cluster(mib):
+        base = cluster_mod.preset("cpu", devices_per_host=8)
+        return dataclasses.replace(
+            base, device=dataclasses.replace(base.device, memory_bytes=int(mib * 2**20))
+        )
+
+    tight = cluster(2.6)
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], cluster=tight, **options)
+    peaks = {}
+    for name, spec in (("roomy", cluster(64)), ("tight", tight)):
+        exe = autopar.autoparallel(step, cluster=spec, donate_argnums=0, **options).executable(
+            state, batches[0]
+        )
+        peaks[name] = [memory.compiled_peak(exe, s).peak for s in range(2)]
+    limit = tight.device.memory_bytes
+    assert max(peaks["roomy"]) > limit, peaks
+    assert max(peaks["tight"]) <= limit, peaks

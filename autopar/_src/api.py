@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import autoplan, driver, intra_op, partition, planner, planning, schedule
+from autopar._src import autoplan, driver, intra_op, partition, planner, planning, profile, schedule
 from autopar._src.cluster import ClusterSpec
 from autopar._src.plan import Plan
 
@@ -263,12 +263,18 @@ class AutoParallel:
         meshes = driver.stage_meshes(plan, devices)
         shardings = []
         if opts.sharding == "auto":
+            # Each stage's ILP lays out its inputs and stashes in what the memory model leaves
+            # of a device after the stage's gradient sums and transients.
+            prof = profile.layer_profile(step, tuple(batch_ids))
+            budget = spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM)
             shardings = intra_op.solve_stages(
                 step,
                 program,
                 plan,
                 spec,
-                memory_budget=spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM),
+                memory_budget=[
+                    budget - planner.planned_peak(prof, plan, s).rest for s in range(plan.num_stages)
+                ],
                 platform=devices[0].platform,
             )
             plan = planning.describe_layouts(

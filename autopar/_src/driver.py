@@ -25,12 +25,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar._src import compat, cost, deferred, interpret, transfers
 from autopar._src.intra_op import StageSharding
-from autopar._src.plan import Plan
+from autopar._src.plan import DATA_AXIS, Plan
 from autopar._src.program import Key, Program, Run, Task
 from autopar._src.strategy_graph import Inner
 from autopar._src.trace import TracedStep
-
-DATA_AXIS = "data"
 
 
 def stage_meshes(plan: Plan, devices: Sequence[Any]) -> list[Mesh]:

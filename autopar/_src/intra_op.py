@@ -14,12 +14,13 @@ import dataclasses
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, deferred, layers, partial_chains
+from autopar._src import compat, deferred, layers, partial_chains, planner
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
@@ -157,14 +158,18 @@ def solve_stage(
     time_limit: float = STAGE_TIME_LIMIT,
     carried: dict[Any, Any] | None = None,
     fixed: dict[Any, Spec] | None = None,
+    stash_copies: int = 0,
 ) -> StageSharding:
     """Solves the sharding ILP of ``stage`` on ``mesh``.
 
     The memory row counts the stage's inputs per device: parameters, optimizer state,
-    the batch and the activations that arrive from other stages. Temporaries are left to
-    the stage DP's memory model, so ``memory_budget`` should be what remains of a device
-    for them. ``carried`` (see :func:`carried_state`) ties the step's new state to the
-    state it replaces, so that they are laid out alike. ``fixed`` gives some inputs a layout
+    the batch and the activations that arrive from other stages; and ``stash_copies`` times
+    the values its forwards keep for its backwards (the microbatches in flight at once).
+    Gradient sums and temporaries are left to the memory model, so ``memory_budget`` should
+    be what it leaves of a device (:func:`~autopar._src.planner.planned_peak`).
+
+    ``carried`` (see :func:`carried_state`) ties the step's new state to the state it
+    replaces, so that they are laid out alike. ``fixed`` gives some inputs a layout
     (e.g. a hand-written plan's parameter shardings); the ILP lays out the rest around them.
 
     Raises:
@@ -176,7 +181,14 @@ def solve_stage(
     nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=ties)
     made = {name for op in ops for name in op.outs if name is not None}
     nodes = inputs_memory_only(nodes, producer, made)
-    nodes = _with_transfers(nodes, producer, _transfer_counts(program, stage, alias), mesh)
+    # Copying a value to or from another stage moves each device's block over the mesh's
+    # slowest link, so values that cross stages prefer split layouts.
+    per_byte = 1 / min(mesh.bandwidth)
+    moved = {v: n * per_byte for v, n in _transfer_counts(program, stage, alias).items()}
+    nodes = _charged(nodes, producer, moved, mesh, "communication_cost")
+    if stash_copies:
+        stashed = {v: float(stash_copies) for v in _stashed(program, stage, alias) if v in made}
+        nodes = _charged(nodes, producer, stashed, mesh, "memory_bytes")
     # Links as the graph names them (a call's or scan's result is an alias of a body value).
     chains = [
         c._replace(links=[alias_root(alias, v) for v in c.links])
@@ -248,27 +260,42 @@ def _transfer_counts(program: Program, stage: int, alias: dict[Any, Any]) -> dic
     return counts
 
 
-def _with_transfers(
-    nodes: tuple[Node, ...], producer: dict[Any, tuple[int, int]], counts: dict[Any, int], mesh: MeshSpec
-) -> tuple[Node, ...]:
-    """Charges each strategy of a value's producer for copying its block to or from other stages.
+def _stashed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
+    """The values ``stage`` keeps from one microbatch's task to another's: its forwards' results
+    that its backwards read (each microbatch's stash lives until its backward)."""
+    made: dict[Any, int] = {}
+    stashed = set()
+    for i, t in enumerate(program.tasks):
+        if t.stage != stage or not t.repeated:
+            continue
+        for k in t.in_keys:
+            if made.get(k[0], i) != i:
+                stashed.add(alias_root(alias, k[0]))
+        made.update((k[0], i) for k in t.out_keys)
+    return stashed
 
-    The copy moves each device's block over the slowest link of the mesh, so values that
-    cross stages prefer split layouts.
-    """
+
+def _charged(
+    nodes: tuple[Node, ...],
+    producer: dict[Any, tuple[int, int]],
+    weights: dict[Any, float],
+    mesh: MeshSpec,
+    field: str,
+) -> tuple[Node, ...]:
+    """Adds to ``field`` (a strategy's cost or memory) of each value's producer its bytes per
+    device under that strategy times the value's weight."""
     extra: dict[int, list[float]] = {}
-    bandwidth = min(mesh.bandwidth)
-    for v, n in counts.items():
+    for v, w in weights.items():
         if v not in producer:
             continue
         i, k = producer[v]
-        per = [n * share_bytes(v, s.output_specs[k], mesh) / bandwidth for s in nodes[i].strategies]
+        per = [w * share_bytes(v, s.output_specs[k], mesh) for s in nodes[i].strategies]
         extra[i] = [a + b for a, b in zip(extra.get(i, [0.0] * len(per)), per, strict=True)]
     return tuple(
         Node(
             name=node.name,
             strategies=tuple(
-                dataclasses.replace(s, communication_cost=s.communication_cost + c)
+                dataclasses.replace(s, **{field: getattr(s, field) + c})
                 for s, c in zip(node.strategies, extra[i], strict=True)
             ),
         )
@@ -328,25 +355,33 @@ def solve_stages(
     plan: Plan,
     cluster: cluster_mod.ClusterSpec,
     *,
-    memory_budget: float | None = None,
+    memory_budget: float | Sequence[float] | None = None,
     time_limit: float = STAGE_TIME_LIMIT,
     platform: str = "",
 ) -> list[StageSharding | None]:
-    """:func:`solve_stage` for every stage of ``plan`` with more than one device (None for others)."""
+    """:func:`solve_stage` for every stage of ``plan`` with more than one device (None for others);
+    ``memory_budget`` is one for every stage or one per stage."""
     result: list[StageSharding | None] = []
     carried = carried_state(step)
     for i, st in enumerate(plan.stages):
         if len(st.device_ids) == 1:
             result.append(None)
             continue
-        result.append(
-            solve_stage(
+        try:
+            chosen = solve_stage(
                 program,
                 i,
                 mesh_spec(cluster, st, platform=platform),
-                memory_budget=memory_budget,
+                memory_budget=memory_budget if not isinstance(memory_budget, Sequence) else memory_budget[i],
                 time_limit=time_limit,
                 carried=carried,
+                stash_copies=planner.in_flight(plan, i),
             )
-        )
+        except ValueError as e:
+            mesh = dict(zip(st.axis_names, st.mesh_shape, strict=True))
+            raise ValueError(
+                f"stage {i} (layers {st.layers[0]}..{st.layers[1] - 1} on mesh {mesh}) has no layout: {e} "
+                "More microbatches make its in-flight activations smaller."
+            ) from e
+        result.append(chosen)
     return result

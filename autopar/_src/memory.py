@@ -82,23 +82,10 @@ def _donated(exe: Executable, task_index: int, key: Key) -> bool:
 
 
 def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
-    """The planner's memory model for ``stage`` of ``exe``'s plan (see :func:`planner.stage_memory`)."""
+    """The planner's memory model for ``stage`` of ``exe``'s plan (see :func:`planner.planned_peak`)."""
     from autopar._src import planner
 
-    plan = exe.plan
-    st = plan.stages[stage]
-    dp = st.mesh_shape[st.axis_names.index("data")]
-    tp = len(st.device_ids) // dp
-    fixed, per_flight = planner.stage_memory(
-        profile, st.layers[0], st.layers[1], dp=dp, tp=tp, num_microbatches=plan.num_microbatches
-    )
-    if plan.num_microbatches == 1:
-        in_flight = 1
-    elif plan.schedule == "gpipe":
-        in_flight = plan.num_microbatches
-    else:
-        in_flight = min(plan.num_stages - stage, plan.num_microbatches)
-    return fixed + in_flight * per_flight
+    return sum(planner.planned_peak(profile, exe.plan, stage))
 
 
 def relative_error(predicted: float, actual: float) -> float:

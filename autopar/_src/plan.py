@@ -8,6 +8,9 @@ from typing import Any
 
 from autopar._src.schedule import SCHEDULES, ScheduleName
 
+DATA_AXIS = "data"
+"""The mesh axis the batch is split over."""
+
 PLAN_VERSION = 1
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
 from autopar._src import cluster as cluster_mod
 from autopar._src import stages
+from autopar._src.plan import DATA_AXIS, Plan
 from autopar._src.profile import LayerProfile
 
 MEMORY_HEADROOM = 0.15
@@ -90,6 +91,44 @@ def stage_memory(
         / tp
     )
     return state + transient + inputs, stash
+
+
+class PeakParts(NamedTuple):
+    """The memory model's per-device peak of a stage, in the parts the sharding ILP sees."""
+
+    inputs: float
+    """Parameters and optimizer state (split over the model axis) and the batch inputs: the
+    stage's inputs, which the ILP lays out and counts."""
+    stashes: float
+    """What the in-flight microbatches' forwards keep for their backwards, which the ILP
+    counts too (its ``stash_copies``)."""
+    rest: float
+    """Gradient sums and the backward's transients, which it does not."""
+
+
+def in_flight(plan: Plan, stage: int) -> int:
+    """Microbatches whose forward has run on ``stage`` and backward not yet, at most at once."""
+    nmb = plan.num_microbatches
+    if nmb == 1:
+        return 1
+    return nmb if plan.schedule == "gpipe" else min(plan.num_stages - stage, nmb)
+
+
+def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
+    """The memory model's per-device peak of ``stage`` of ``plan`` (:func:`stage_memory` with the
+    schedule's in-flight stashes); its parts add up to it."""
+    st = plan.stages[stage]
+    dp = st.mesh_shape[st.axis_names.index(DATA_AXIS)]
+    tp = len(st.device_ids) // dp
+    start, stop = st.layers
+    nmb = plan.num_microbatches
+    fixed, per_flight = stage_memory(profile, start, stop, dp=dp, tp=tp, num_microbatches=nmb)
+    params = float(profile.param_bytes[start:stop].sum())
+    inputs = (
+        params * (1.0 + profile.state_per_param) / tp
+        + nmb * float(profile.batch_bytes[start:stop].sum()) / dp
+    )
+    return PeakParts(inputs=inputs, stashes=in_flight(plan, stage) * per_flight, rest=fixed - inputs)
 
 
 def stage_costs(

@@ -18,9 +18,7 @@ import jax
 
 from autopar._src import cluster as cluster_mod
 from autopar._src import cost, profile, trace
-from autopar._src.plan import Plan, StagePlan
-
-DATA_AXIS = "data"
+from autopar._src.plan import DATA_AXIS, Plan, StagePlan
 
 
 def _abstract(x: Any, rows: int | None) -> Any:
