@@ -2,7 +2,8 @@
 
 For each model and plan, every stage's predicted peak (the planner's model:
 parameters, gradient sums, optimizer state, in-flight activation stashes under the
-schedule, batch inputs, one microbatch's gradients and the largest backward value)
+schedule, batch inputs, one microbatch's gradients and the largest backward value;
+on a stage the sharding ILP laid out, the inputs and stashes as its layouts hold them)
 is compared with the compiled program's peak: the buffers the runtime keeps alive
 on the stage's devices at each step of the schedule plus the running executable's
 ``memory_analysis()`` (arguments + outputs + temporaries - aliased).
@@ -109,15 +110,17 @@ def main() -> None:
             "batch": args.batch_size,
             "schedule": f"1f1b, {args.microbatches} microbatches",
             "optimizer": "adamw, state donated",
-            "stages": "data parallel over each stage's submesh (8 devices split evenly)",
+            "stages": "8 devices split evenly; sharding='data' (batch split, rest replicated) or "
+            "the sharding ILP on the given (data, model) mesh",
             "command": "python benchmarks/memory_model.py",
         },
         headers,
         rows,
-        notes="Tensor-parallel stages are planned but not yet executed by the runtime, so they have "
-        "no compiled program to compare with. 'compiled' = live buffers on the stage's devices "
-        "under the schedule + the running executable's memory_analysis (arguments + outputs + "
-        "temporaries - aliased).",
+        notes="'compiled' = live buffers on the stage's devices under the schedule + the running "
+        "executable's memory_analysis (arguments + outputs + temporaries - aliased). On ILP stages "
+        "'predicted' takes the stage's inputs and in-flight stashes as the ILP laid them out "
+        "(its memory row) and the rest (gradient sums, transients) from the model; before the "
+        "ILP runs, the stage search's model assumes them split over the model axis.",
     )
     print(f"results: {path}")
     print(f"max_rel_error={max(errors):.3f}")

@@ -9,7 +9,7 @@ from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 import autopar
 from autopar._src import cluster as cluster_mod
 from autopar._src import memory, profile
-from models import train
+from models import registry, train
 
 
 @pytest.mark.parametrize("num_stages", [1, 2])
@@ -27,6 +27,22 @@ def test_predicted_peak_is_within_15_percent_of_the_compiled_program(num_stages)
         predicted = memory.predicted_peak(exe, s, prof)
         # The peak is during a backward, with the schedule's in-flight stashes alive.
         assert actual.at_task.startswith("B") and actual.temporaries > 0
+        assert memory.relative_error(predicted, actual.peak) <= 0.15, (s, predicted, actual)
+
+
+def test_predicted_peak_of_ilp_stages_is_within_15_percent():
+    # On (1, 4) meshes the ILP keeps BERT's parameters and activations whole where that saves
+    # collectives: the model's 4-way split alone under-predicts the peak by up to 28%; with
+    # the inputs and stashes as the ILP laid them out it is within 15%.
+    _, config = registry.lookup("bert-small")
+    step, state = train.setup("bert", "linen", config, optax.adamw(1e-3))
+    batch = train.make_batch("bert", config, 32)
+    par = autopar.autoparallel(step, num_stages=2, mesh_shape=(1, 4), num_microbatches=4, donate_argnums=0)
+    exe = par.executable(state, batch)
+    prof = profile.layer_profile(exe.step, exe.batch_leaf_ids)
+    for s in range(2):
+        actual = memory.compiled_peak(exe, s)
+        predicted = memory.predicted_peak(exe, s, prof)
         assert memory.relative_error(predicted, actual.peak) <= 0.15, (s, predicted, actual)
 
 

@@ -27,7 +27,7 @@ from autopar._src.ilp_merge import solve_merged
 from autopar._src.layout_costs import MeshSpec, share_bytes
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.program import Program, Transfer
-from autopar._src.sharding_ilp import Node
+from autopar._src.sharding_ilp import Node, total_memory
 from autopar._src.strategy_graph import GraphOp, Tie, graph_of
 from autopar._src.trace import TracedStep
 
@@ -51,6 +51,9 @@ class StageSharding:
     """Name of the strategy chosen for the equation that makes each value, e.g. ``column[model]``."""
     objective: float
     """Predicted seconds per step of the stage's computation and communication."""
+    memory_bytes: float
+    """Per-device bytes of the ILP's memory row under these layouts: the stage's inputs and
+    its in-flight stashes (see :func:`solve_stage`)."""
     status: str
     """The solver's status (``optimal``, ``time_limit`` or ``fallback``)."""
     solve_seconds: float
@@ -232,6 +235,7 @@ def solve_stage(
         pinned=pinned,
         strategies=strategies,
         objective=solution.objective,
+        memory_bytes=total_memory(nodes, solution.choices),
         status=solution.status,
         solve_seconds=time.perf_counter() - start,
         num_nodes=len(nodes),

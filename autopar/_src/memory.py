@@ -17,6 +17,7 @@ from typing import Any
 
 from autopar._src import cost
 from autopar._src.driver import Executable
+from autopar._src.layout_costs import share_bytes
 from autopar._src.program import Key, Run, Transfer
 
 
@@ -82,10 +83,18 @@ def _donated(exe: Executable, task_index: int, key: Key) -> bool:
 
 
 def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
-    """The planner's memory model for ``stage`` of ``exe``'s plan (see :func:`planner.planned_peak`)."""
+    """The planner's memory model for ``stage`` of ``exe``'s plan (see :func:`planner.planned_peak`),
+    with the stage's inputs and stashes as the sharding ILP laid them out where it did."""
     from autopar._src import planner
 
-    return sum(planner.planned_peak(profile, exe.plan, stage))
+    inputs, stashes, rest, gradients = planner.planned_peak(profile, exe.plan, stage)
+    chosen = exe.shardings[stage] if exe.shardings else None
+    if chosen is None:
+        return inputs + stashes + rest
+    # A deferred gradient is added to its running sum as the backward makes it, so it is not
+    # among one microbatch's gradients held whole.
+    deferred = sum(share_bytes(v, chosen.specs[v], chosen.mesh) for v in exe.deferred[stage].accumulators)
+    return chosen.memory_bytes + rest - min(deferred, gradients)
 
 
 def relative_error(predicted: float, actual: float) -> float:

@@ -104,6 +104,9 @@ class PeakParts(NamedTuple):
     counts too (its ``stash_copies``)."""
     rest: float
     """Gradient sums and the backward's transients, which it does not."""
+    microbatch_gradients: float
+    """The part of ``rest`` that is one microbatch's parameter gradients, held whole while a
+    backward runs (until they are reduced and added to the sums)."""
 
 
 def in_flight(plan: Plan, stage: int) -> int:
@@ -116,7 +119,7 @@ def in_flight(plan: Plan, stage: int) -> int:
 
 def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
     """The memory model's per-device peak of ``stage`` of ``plan`` (:func:`stage_memory` with the
-    schedule's in-flight stashes); its parts add up to it."""
+    schedule's in-flight stashes): the sum of its first three parts."""
     st = plan.stages[stage]
     dp = st.mesh_shape[st.axis_names.index(DATA_AXIS)]
     tp = len(st.device_ids) // dp
@@ -128,7 +131,12 @@ def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
         params * (1.0 + profile.state_per_param) / tp
         + nmb * float(profile.batch_bytes[start:stop].sum()) / dp
     )
-    return PeakParts(inputs=inputs, stashes=in_flight(plan, stage) * per_flight, rest=fixed - inputs)
+    return PeakParts(
+        inputs=inputs,
+        stashes=in_flight(plan, stage) * per_flight,
+        rest=fixed - inputs,
+        microbatch_gradients=params / tp,
+    )
 
 
 def stage_costs(
