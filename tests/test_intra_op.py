@@ -133,9 +133,11 @@ def _tight_cluster(step, state, batch, fraction):
     base = cluster_mod.preset("cpu")
     exe = autopar.autoparallel(step, num_stages=1, mesh_shape=(8,), cluster=base).executable(state, batch)
     parts = planner.planned_peak(profile.layer_profile(exe.step, exe.batch_leaf_ids), exe.plan, 0)
-    # The ILP gets the device memory less the planner's headroom and the rest of the memory
-    # model's peak (gradient sums, transients) for the state and the stashes.
-    memory = int((fraction * total + parts.stashes + parts.rest) / (1 - planner.MEMORY_HEADROOM))
+    # The ILP gets the device memory less the planner's headroom and the memory model's
+    # transients, for the state, the gradient sums and the stashes.
+    memory = int(
+        (fraction * total + parts.stashes + parts.gradient_sums + parts.rest) / (1 - planner.MEMORY_HEADROOM)
+    )
     return dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=memory))
 
 

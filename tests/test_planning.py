@@ -8,7 +8,7 @@ import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
 import autopar
-from autopar._src import autoplan, cluster, clustering, layer_sharding
+from autopar._src import autoplan, cluster, clustering, intra_op, layer_sharding, sharding_ilp
 from models import train
 
 BATCH = 16
@@ -184,3 +184,37 @@ def test_assign_devices_rejects_sizes_that_do_not_tile():
     spec = cluster.preset("cpu", devices_per_host=8)
     with pytest.raises(ValueError, match="do not tile"):
         autoplan.assign_devices([(1, 8), (1, 4)], spec)
+
+
+def test_a_stage_without_a_fitting_layout_is_searched_again_with_less_memory(monkeypatch):
+    config = train.tiny_config("mlp")
+    step, state = train.setup("mlp", "linen", config, OPTIMIZERS["sgd"]())
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    spec = _cpu_cluster(64)
+    searched, failures = [], [sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0)] * 2
+    search, solve = autoplan.auto_plan, intra_op.solve_stages
+
+    def recording_search(*args, **kwargs):
+        searched.append(kwargs["spec"].device.memory_bytes)
+        return search(*args, **kwargs)
+
+    def failing_solve(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(autoplan, "auto_plan", recording_search)
+    monkeypatch.setattr(intra_op, "solve_stages", failing_solve)
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages="auto", cluster=spec)
+    # Each search after a stage failed plans for budget / least (at most 0.9) of the memory;
+    # the plan reports the device's.
+    full = spec.device.memory_bytes
+    assert searched == [full, int(full * 0.75), int(int(full * 0.75) * 0.75)]
+    assert par.plan(state, batches[0]).memory_budget == full
+    # A plan the user fixed is not searched again: the stage's error reaches the caller.
+    failures.append(sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0))
+    with pytest.raises(sharding_ilp.NoLayoutFitsError, match="no fit"):
+        autopar.autoparallel(step, num_stages=1, cluster=spec)(state, batches[0])
+    failures.extend([sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0)] * 4)
+    with pytest.raises(sharding_ilp.NoLayoutFitsError, match="no fit"):
+        autopar.autoparallel(step, num_stages="auto", cluster=spec)(state, batches[0])

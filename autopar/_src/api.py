@@ -11,7 +11,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import autoplan, driver, intra_op, partition, planner, planning, profile, schedule
+from autopar._src import autoplan, build, driver, schedule
 from autopar._src.cluster import ClusterSpec
 from autopar._src.plan import Plan
 
@@ -209,86 +209,8 @@ class AutoParallel:
         leaves, in_tree = jax.tree.flatten(args)
         key = (in_tree, tuple(_aval_key(x) for x in leaves))
         if key not in self._cache:
-            self._cache[key] = self._build(args)
+            self._cache[key] = build.executable(self.fn, args, self.options)
         return self._cache[key]
-
-    def _build(self, args: tuple[Any, ...]) -> driver.Executable:
-        opts = self.options
-        devices = list(opts.devices) if opts.devices is not None else jax.devices()
-        nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
-        batch_ids, batch_size = _batch_leaves(args, opts.batch_argnums, 1 if nmb == "auto" else nmb)
-        common = dict(batch_ids=batch_ids, batch_size=batch_size, devices=devices)
-        spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
-        if opts.plan is not None:
-            step, plan = planning.reuse_plan(self.fn, args, plan=opts.plan, **common)
-        elif opts.num_stages == "auto":
-            measured = {}
-            if opts.cost_model == "measured":
-                from autopar._src import measure
-
-                directory = opts.cost_cache or measure.default_cache_dir()
-                measured = dict(measured_devices=devices, cost_cache=measure.CostCache(directory))
-            step, plan = autoplan.auto_plan(
-                self.fn,
-                args,
-                num_microbatches=None if nmb == "auto" else nmb,
-                schedule=opts.schedule,
-                spec=spec,
-                batch_ids=batch_ids,
-                batch_size=batch_size,
-                device_ids=[d.id for d in devices],
-                tensor_parallel=opts.sharding == "auto",
-                sharding_costs=opts.sharding == "auto",
-                platform=devices[0].platform,
-                **measured,
-            )
-        else:
-            _check_num_stages(opts.num_stages, len(devices))
-            if nmb == "auto":
-                raise ValueError(
-                    "num_microbatches='auto' needs num_stages='auto' (the stage search chooses both); "
-                    f"with num_stages={opts.num_stages} give num_microbatches as an int."
-                )
-            step, plan = planning.uniform_plan(
-                self.fn,
-                args,
-                num_stages=opts.num_stages,
-                num_microbatches=nmb,
-                schedule=opts.schedule,
-                mesh_shape=opts.mesh_shape,
-                **common,
-            )
-        mb = batch_size // plan.num_microbatches if batch_size else 0
-        program = partition.build_program(step, plan, batch_ids, mb)
-        meshes = driver.stage_meshes(plan, devices)
-        shardings = []
-        if opts.sharding == "auto":
-            # Each stage's ILP lays out its inputs and stashes in what the memory model leaves
-            # of a device after the stage's gradient sums and transients.
-            prof = profile.layer_profile(step, tuple(batch_ids))
-            budget = spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM)
-            shardings = intra_op.solve_stages(
-                step,
-                program,
-                plan,
-                spec,
-                memory_budget=[
-                    budget - planner.planned_peak(prof, plan, s).rest for s in range(plan.num_stages)
-                ],
-                platform=devices[0].platform,
-            )
-            plan = planning.describe_layouts(
-                plan, step, args, [None if s is None else s.specs for s in shardings]
-            )
-        return driver.Executable(
-            program=program,
-            plan=plan,
-            step=step,
-            meshes=meshes,
-            batch_leaf_ids=tuple(batch_ids),
-            donated_leaf_ids=_leaf_ids(args, opts.donate_argnums),
-            shardings=shardings,
-        )
 
 
 def _aval_key(x: Any) -> Any:
@@ -298,79 +220,6 @@ def _aval_key(x: Any) -> Any:
         return (x.shape, x.dtype)
     aval = jax.typeof(x)
     return (tuple(aval.shape), aval.dtype)
-
-
-def _leaf_ids(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:
-    """Flat leaf indices of the positional arguments ``argnums``.
-
-    Raises:
-      ValueError: if an argnum is out of range.
-    """
-    ids: list[int] = []
-    offset = 0
-    wanted = set()
-    for a in argnums:
-        if not -len(args) <= a < len(args):
-            raise ValueError(f"argnum {a} is out of range for a step called with {len(args)} arguments")
-        wanted.add(a % len(args))
-    for pos, arg in enumerate(args):
-        n = len(jax.tree.leaves(arg))
-        if pos in wanted:
-            ids.extend(range(offset, offset + n))
-        offset += n
-    return tuple(ids)
-
-
-def _batch_leaves(args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int) -> tuple[list[int], int]:
-    """Flat indices of the batch leaves and the batch size; validates both."""
-    for a in argnums:
-        if not -len(args) <= a < len(args):
-            raise ValueError(
-                f"batch_argnums={argnums} names argument {a}, but the step got {len(args)} "
-                "positional arguments"
-            )
-    wanted = {a % len(args) for a in argnums}
-    ids: list[int] = []
-    sizes: dict[int, str] = {}
-    offset = 0
-    for pos, arg in enumerate(args):
-        path_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
-        if pos in wanted:
-            for k, (path, leaf) in enumerate(path_leaves):
-                shape = np.shape(leaf)
-                name = f"argument {pos}{jax.tree_util.keystr(path)}"
-                if len(shape) == 0:
-                    raise ValueError(
-                        f"Batch leaf {name} is a scalar; batch arguments must have a leading batch "
-                        "dim. Move scalars out of batch_argnums."
-                    )
-                sizes.setdefault(shape[0], name)
-                ids.append(offset + k)
-        offset += len(path_leaves)
-    if len(sizes) > 1:
-        raise ValueError(
-            f"Batch leaves disagree on the batch size: {sorted(sizes)} (e.g. {list(sizes.values())}); "
-            "every leaf of the batch arguments needs the same leading dim."
-        )
-    size = next(iter(sizes), 0)
-    if size and size % nmb:
-        raise ValueError(
-            f"The batch size {size} is not divisible by num_microbatches={nmb}; choose a "
-            f"num_microbatches that divides {size}."
-        )
-    return ids, size
-
-
-def _check_num_stages(num_stages: int, num_devices: int) -> None:
-    if num_stages > num_devices:
-        raise ValueError(
-            f"num_stages={num_stages} is more than the {num_devices} devices; use at most {num_devices}."
-        )
-    if num_devices % num_stages:
-        raise ValueError(
-            f"{num_devices} devices cannot be split evenly among num_stages={num_stages}; choose a "
-            f"num_stages that divides {num_devices}, or pass devices= with a multiple of {num_stages}."
-        )
 
 
 def plan_step(
@@ -406,7 +255,7 @@ def plan_step(
     argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
     Options(num_microbatches=num_microbatches, batch_argnums=argnums, schedule=schedule)
     nmb = 1 if num_microbatches == "auto" else num_microbatches
-    batch_ids, batch_size = _batch_leaves(args, argnums, nmb)
+    batch_ids, batch_size = build.batch_leaves(args, argnums, nmb)
     _, plan = autoplan.auto_plan(
         fn,
         args,

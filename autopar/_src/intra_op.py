@@ -27,7 +27,7 @@ from autopar._src.ilp_merge import solve_merged
 from autopar._src.layout_costs import MeshSpec, share_bytes
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.program import Program, Transfer
-from autopar._src.sharding_ilp import Node, total_memory
+from autopar._src.sharding_ilp import Node, NoLayoutFitsError, total_memory
 from autopar._src.strategy_graph import GraphOp, Tie, graph_of
 from autopar._src.trace import TracedStep
 
@@ -52,8 +52,8 @@ class StageSharding:
     objective: float
     """Predicted seconds per step of the stage's computation and communication."""
     memory_bytes: float
-    """Per-device bytes of the ILP's memory row under these layouts: the stage's inputs and
-    its in-flight stashes (see :func:`solve_stage`)."""
+    """Per-device bytes of the ILP's memory row under these layouts: the stage's inputs,
+    gradient sums and in-flight stashes (see :func:`solve_stage`)."""
     status: str
     """The solver's status (``optimal``, ``time_limit`` or ``fallback``)."""
     solve_seconds: float
@@ -166,10 +166,11 @@ def solve_stage(
     """Solves the sharding ILP of ``stage`` on ``mesh``.
 
     The memory row counts the stage's inputs per device: parameters, optimizer state,
-    the batch and the activations that arrive from other stages; and ``stash_copies`` times
-    the values its forwards keep for its backwards (the microbatches in flight at once).
-    Gradient sums and temporaries are left to the memory model, so ``memory_budget`` should
-    be what it leaves of a device (:func:`~autopar._src.planner.planned_peak`).
+    the batch and the activations that arrive from other stages; and, given ``stash_copies``
+    (the microbatches in flight at once), the running sums of its gradients and that many
+    times the values its forwards keep for its backwards. Temporaries are left to the memory
+    model, so ``memory_budget`` should be what it leaves of a device
+    (:func:`~autopar._src.planner.planned_peak`).
 
     ``carried`` (see :func:`carried_state`) ties the step's new state to the state it
     replaces, so that they are laid out alike. ``fixed`` gives some inputs a layout
@@ -190,8 +191,9 @@ def solve_stage(
     moved = {v: n * per_byte for v, n in _transfer_counts(program, stage, alias).items()}
     nodes = _charged(nodes, producer, moved, mesh, "communication_cost")
     if stash_copies:
-        stashed = {v: float(stash_copies) for v in _stashed(program, stage, alias) if v in made}
-        nodes = _charged(nodes, producer, stashed, mesh, "memory_bytes")
+        held = {v: 1.0 for v in _summed(program, stage, alias)}
+        held.update((v, float(stash_copies)) for v in _stashed(program, stage, alias))
+        nodes = _charged(nodes, producer, {v: w for v, w in held.items() if v in made}, mesh, "memory_bytes")
     # Links as the graph names them (a call's or scan's result is an alias of a body value).
     chains = [
         c._replace(links=[alias_root(alias, v) for v in c.links])
@@ -262,6 +264,18 @@ def _transfer_counts(program: Program, stage: int, alias: dict[Any, Any]) -> dic
         if stage in stages and isinstance(key[1], int) and not isinstance(key[1], bool):
             counts[key[0]] = counts.get(key[0], 0) + 1
     return counts
+
+
+def _summed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
+    """The values ``stage`` sums over microbatches (its gradients; each running sum has the
+    layout of the value it sums)."""
+    return {
+        alias_root(alias, op.outs[0][0])
+        for t in program.tasks
+        if t.stage == stage
+        for op in t.ops
+        if op.kind == "acc" and op.mode == "add"
+    }
 
 
 def _stashed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
@@ -381,11 +395,13 @@ def solve_stages(
                 carried=carried,
                 stash_copies=planner.in_flight(plan, i),
             )
-        except ValueError as e:
+        except NoLayoutFitsError as e:
             mesh = dict(zip(st.axis_names, st.mesh_shape, strict=True))
-            raise ValueError(
+            raise NoLayoutFitsError(
                 f"stage {i} (layers {st.layers[0]}..{st.layers[1] - 1} on mesh {mesh}) has no layout: {e} "
-                "More microbatches make its in-flight activations smaller."
+                "More microbatches make its in-flight activations smaller.",
+                budget=e.budget,
+                least=e.least,
             ) from e
         result.append(chosen)
     return result

@@ -87,10 +87,10 @@ def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
     with the stage's inputs and stashes as the sharding ILP laid them out where it did."""
     from autopar._src import planner
 
-    inputs, stashes, rest, gradients = planner.planned_peak(profile, exe.plan, stage)
+    inputs, stashes, sums, rest, gradients = planner.planned_peak(profile, exe.plan, stage)
     chosen = exe.shardings[stage] if exe.shardings else None
     if chosen is None:
-        return inputs + stashes + rest
+        return inputs + stashes + sums + rest
     # A deferred gradient is added to its running sum as the backward makes it, so it is not
     # among one microbatch's gradients held whole.
     deferred = sum(share_bytes(v, chosen.specs[v], chosen.mesh) for v in exe.deferred[stage].accumulators)

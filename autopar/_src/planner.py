@@ -102,8 +102,10 @@ class PeakParts(NamedTuple):
     stashes: float
     """What the in-flight microbatches' forwards keep for their backwards, which the ILP
     counts too (its ``stash_copies``)."""
+    gradient_sums: float
+    """The running sums of the gradients over microbatches, which the ILP counts as well."""
     rest: float
-    """Gradient sums and the backward's transients, which it does not."""
+    """The backward's transients, which it does not."""
     microbatch_gradients: float
     """The part of ``rest`` that is one microbatch's parameter gradients, held whole while a
     backward runs (until they are reduced and added to the sums)."""
@@ -119,7 +121,7 @@ def in_flight(plan: Plan, stage: int) -> int:
 
 def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
     """The memory model's per-device peak of ``stage`` of ``plan`` (:func:`stage_memory` with the
-    schedule's in-flight stashes): the sum of its first three parts."""
+    schedule's in-flight stashes): the sum of its first four parts."""
     st = plan.stages[stage]
     dp = st.mesh_shape[st.axis_names.index(DATA_AXIS)]
     tp = len(st.device_ids) // dp
@@ -131,10 +133,12 @@ def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
         params * (1.0 + profile.state_per_param) / tp
         + nmb * float(profile.batch_bytes[start:stop].sum()) / dp
     )
+    sums = params / tp if nmb > 1 else 0.0  # one microbatch's gradients are the sums
     return PeakParts(
         inputs=inputs,
         stashes=in_flight(plan, stage) * per_flight,
-        rest=fixed - inputs,
+        gradient_sums=sums,
+        rest=fixed - inputs - sums,
         microbatch_gradients=params / tp,
     )
 

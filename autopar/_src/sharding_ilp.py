@@ -284,16 +284,29 @@ def _integral_relaxation(
     return x if np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= 1e-9) else None
 
 
+class NoLayoutFitsError(ValueError):
+    """No layout of a strategy graph fits its memory budget."""
+
+    def __init__(self, message: str, *, budget: float, least: float) -> None:
+        super().__init__(message)
+        self.budget = budget
+        """The budget, bytes per device."""
+        self.least = least
+        """A lower bound on the bytes per device of any layout (each node on its smallest)."""
+
+
 def _raise_unless_feasible(
     nodes: Sequence[Node], edges: Sequence[Edge], choices: Sequence[int], memory_budget: float | None
 ) -> None:
     if not _fits(nodes, memory_budget, choices):
         least = [min(s.memory_bytes for s in n.strategies) for n in nodes]
         top = ", ".join(f"{nodes[v].name!r} ({least[v]:.4g} B)" for v in np.argsort(least)[::-1][:3])
-        raise ValueError(
+        raise NoLayoutFitsError(
             f"no sharding fits memory_budget={memory_budget:.4g} bytes per device; the minimum achievable is "
             f"at least {sum(least):.4g} bytes (every node on its smallest strategy). Largest nodes: {top}. "
-            "Raise the budget, use more devices or add strategies that shard more."
+            "Raise the budget, use more devices or add strategies that shard more.",
+            budget=float(memory_budget or 0.0),
+            least=float(sum(least)),
         )
     bad = [(e.src, e.dst) for e in edges if not np.isfinite(e.cost[choices[e.src], choices[e.dst]])]
     if bad:

@@ -1,0 +1,225 @@
+"""From a step, its arguments and the options of :func:`~autopar.autoparallel` to a compiled
+:class:`~autopar._src.driver.Executable`: the plan, the program, each stage's layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from autopar._src import autoplan, driver, intra_op, partition, planner, planning, profile
+from autopar._src.cluster import ClusterSpec
+from autopar._src.plan import Plan
+from autopar._src.program import Program
+from autopar._src.sharding_ilp import NoLayoutFitsError
+from autopar._src.trace import TracedStep
+
+if TYPE_CHECKING:
+    from autopar._src.api import Options
+
+
+MEMORY_REPLANS = 3
+"""Times the stage search runs again, for a device with less memory, when the sharding ILP
+finds no layout of a stage it chose that fits the memory its model left."""
+
+
+def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> driver.Executable:
+    """Plans, partitions and compiles ``fn`` for ``args`` under ``opts``.
+
+    Raises:
+      ValueError: for invalid arguments or options.
+      NoFeasiblePlanError: if no plan fits the cluster's memory.
+      NoLayoutFitsError: if a stage has no layout that fits (for ``num_stages="auto"``, after
+        :data:`MEMORY_REPLANS` searches for a device with less memory each).
+    """
+    devices = list(opts.devices) if opts.devices is not None else jax.devices()
+    nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
+    batch_ids, batch_size = batch_leaves(args, opts.batch_argnums, 1 if nmb == "auto" else nmb)
+    spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
+    searched = spec  # the cluster the stage search plans for
+    for attempt in range(MEMORY_REPLANS + 1):
+        step, plan = _plan(fn, args, opts, searched, devices, batch_ids, batch_size)
+        mb = batch_size // plan.num_microbatches if batch_size else 0
+        program = partition.build_program(step, plan, batch_ids, mb)
+        try:
+            shardings = _layouts(step, program, plan, spec, batch_ids, devices[0].platform, opts)
+            break
+        except NoLayoutFitsError as e:
+            if opts.plan is not None or opts.num_stages != "auto" or attempt == MEMORY_REPLANS:
+                raise
+            # The stage search's model (parameters and stashes split over the model axis) was
+            # short for a stage: search again as if the device had that much less memory.
+            shrink = min(0.9, e.budget / e.least) if e.least > 0 else 0.9
+            device = dataclasses.replace(
+                searched.device, memory_bytes=int(searched.device.memory_bytes * shrink)
+            )
+            searched = dataclasses.replace(searched, device=device)
+    if searched is not spec:
+        plan = dataclasses.replace(plan, memory_budget=float(spec.device.memory_bytes))
+    if shardings:
+        plan = planning.describe_layouts(
+            plan, step, args, [None if s is None else s.specs for s in shardings]
+        )
+    return driver.Executable(
+        program=program,
+        plan=plan,
+        step=step,
+        meshes=driver.stage_meshes(plan, devices),
+        batch_leaf_ids=tuple(batch_ids),
+        donated_leaf_ids=_leaf_ids(args, opts.donate_argnums),
+        shardings=shardings,
+    )
+
+
+def _plan(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    opts: Options,
+    spec: ClusterSpec,
+    devices: list[Any],
+    batch_ids: list[int],
+    batch_size: int,
+) -> tuple[TracedStep, Plan]:
+    """The traced step and its plan: ``opts.plan`` reused, searched for ``spec``, or uniform."""
+    nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
+    common = dict(batch_ids=batch_ids, batch_size=batch_size, devices=devices)
+    if opts.plan is not None:
+        return planning.reuse_plan(fn, args, plan=opts.plan, **common)
+    if opts.num_stages == "auto":
+        measured = {}
+        if opts.cost_model == "measured":
+            from autopar._src import measure
+
+            directory = opts.cost_cache or measure.default_cache_dir()
+            measured = dict(measured_devices=devices, cost_cache=measure.CostCache(directory))
+        return autoplan.auto_plan(
+            fn,
+            args,
+            num_microbatches=None if nmb == "auto" else nmb,
+            schedule=opts.schedule,
+            spec=spec,
+            batch_ids=batch_ids,
+            batch_size=batch_size,
+            device_ids=[d.id for d in devices],
+            tensor_parallel=opts.sharding == "auto",
+            sharding_costs=opts.sharding == "auto",
+            platform=devices[0].platform,
+            **measured,
+        )
+    _check_num_stages(opts.num_stages, len(devices))
+    if nmb == "auto":
+        raise ValueError(
+            "num_microbatches='auto' needs num_stages='auto' (the stage search chooses both); "
+            f"with num_stages={opts.num_stages} give num_microbatches as an int."
+        )
+    return planning.uniform_plan(
+        fn,
+        args,
+        num_stages=opts.num_stages,
+        num_microbatches=nmb,
+        schedule=opts.schedule,
+        mesh_shape=opts.mesh_shape,
+        **common,
+    )
+
+
+def _layouts(
+    step: TracedStep,
+    program: Program,
+    plan: Plan,
+    spec: ClusterSpec,
+    batch_ids: list[int],
+    platform: str,
+    opts: Options,
+) -> list[intra_op.StageSharding | None]:
+    """Each stage's layouts from the sharding ILP (none with ``sharding="data"``)."""
+    if opts.sharding != "auto":
+        return []
+    # Each stage's ILP lays out its inputs and stashes in what the memory model leaves of a
+    # device after the stage's gradient sums and transients.
+    prof = profile.layer_profile(step, tuple(batch_ids))
+    budget = spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM)
+    return intra_op.solve_stages(
+        step,
+        program,
+        plan,
+        spec,
+        memory_budget=[budget - planner.planned_peak(prof, plan, s).rest for s in range(plan.num_stages)],
+        platform=platform,
+    )
+
+
+def _leaf_ids(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:
+    """Flat leaf indices of the positional arguments ``argnums``.
+
+    Raises:
+      ValueError: if an argnum is out of range.
+    """
+    ids: list[int] = []
+    offset = 0
+    wanted = set()
+    for a in argnums:
+        if not -len(args) <= a < len(args):
+            raise ValueError(f"argnum {a} is out of range for a step called with {len(args)} arguments")
+        wanted.add(a % len(args))
+    for pos, arg in enumerate(args):
+        n = len(jax.tree.leaves(arg))
+        if pos in wanted:
+            ids.extend(range(offset, offset + n))
+        offset += n
+    return tuple(ids)
+
+
+def batch_leaves(args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int) -> tuple[list[int], int]:
+    """Flat indices of the batch leaves and the batch size; validates both."""
+    for a in argnums:
+        if not -len(args) <= a < len(args):
+            raise ValueError(
+                f"batch_argnums={argnums} names argument {a}, but the step got {len(args)} "
+                "positional arguments"
+            )
+    wanted = {a % len(args) for a in argnums}
+    ids: list[int] = []
+    sizes: dict[int, str] = {}
+    offset = 0
+    for pos, arg in enumerate(args):
+        path_leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+        if pos in wanted:
+            for k, (path, leaf) in enumerate(path_leaves):
+                shape = np.shape(leaf)
+                name = f"argument {pos}{jax.tree_util.keystr(path)}"
+                if len(shape) == 0:
+                    raise ValueError(
+                        f"Batch leaf {name} is a scalar; batch arguments must have a leading batch "
+                        "dim. Move scalars out of batch_argnums."
+                    )
+                sizes.setdefault(shape[0], name)
+                ids.append(offset + k)
+        offset += len(path_leaves)
+    if len(sizes) > 1:
+        raise ValueError(
+            f"Batch leaves disagree on the batch size: {sorted(sizes)} (e.g. {list(sizes.values())}); "
+            "every leaf of the batch arguments needs the same leading dim."
+        )
+    size = next(iter(sizes), 0)
+    if size and size % nmb:
+        raise ValueError(
+            f"The batch size {size} is not divisible by num_microbatches={nmb}; choose a "
+            f"num_microbatches that divides {size}."
+        )
+    return ids, size
+
+
+def _check_num_stages(num_stages: int, num_devices: int) -> None:
+    if num_stages > num_devices:
+        raise ValueError(
+            f"num_stages={num_stages} is more than the {num_devices} devices; use at most {num_devices}."
+        )
+    if num_devices % num_stages:
+        raise ValueError(
+            f"{num_devices} devices cannot be split evenly among num_stages={num_stages}; choose a "
+            f"num_stages that divides {num_devices}, or pass devices= with a multiple of {num_stages}."
+        )
