@@ -4,11 +4,11 @@ import time
 
 import numpy as np
 import pytest
+from clustering_oracle import brute_force_clustering
 
 from autopar._src import clustering
 from autopar._src.clustering import (
     Clustering,
-    brute_force_clustering,
     candidate_layer_counts,
     choose_num_layers,
     cluster_layers,
