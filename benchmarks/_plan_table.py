@@ -1,6 +1,6 @@
 """The plan-quality table: one row per (model, cluster) cell and the margins over families.
 
-A cell is the plain data :func:`benchmarks.plan_quality.plan_cell` returns: autopar's plan,
+A cell is the plain data :func:`benchmarks._plan_cell.plan_cell` returns: autopar's plan,
 every grid (``None`` where it fits no microbatch count) and ``bound``, a lower bound on the
 step seconds of any plan under the same costs (one device's work over ``N`` devices, see
 :func:`benchmarks._plan_ilp.step_bound`). ``best grid / bound`` is therefore the most any plan

@@ -356,3 +356,24 @@ def test_dry_run_with_sharding_costs(monkeypatch):
     assert priced.predicted_step_time > 0
     assert priced.predicted_step_time != analytic.predicted_step_time
     assert sum(len(st.device_ids) for st in priced.stages) <= 4
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 4])
+def test_memory_row_counts_stashes_and_gradient_sums_apart(num_microbatches):
+    config = MLPConfig(features=(64, 64), in_features=32, num_classes=8)
+    step, state, batches = _mlp(config, 16, "sgd")
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=num_microbatches, mesh_shape=(4,))
+    exe = par.executable(state, batches[0])
+    for stage in range(2):
+        _, alias, _ = intra_op.stage_ops(exe.program, stage)
+        stashed = intra_op._stashed(exe.program, stage, alias)
+        summed = intra_op._summed(exe.program, stage, alias)
+        # The last stage keeps activations for its backward (the first only its inputs: the
+        # batch, and its result is sent on; with one microbatch the last stage's forward and
+        # backward are one task); a running sum is never a stash.
+        assert bool(stashed) == (stage == 1 and num_microbatches > 1)
+        assert not stashed & summed
+        # Every running sum is a gradient of the stage (kernels among them) when there are
+        # several microbatches; with one, the gradients are the step's outputs.
+        kernels = [v for v in summed if len(v.aval.shape) == 2]
+        assert (len(kernels) >= 1) == (num_microbatches > 1), summed

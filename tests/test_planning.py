@@ -193,9 +193,12 @@ def test_a_stage_without_a_fitting_layout_is_searched_again_with_less_memory(mon
     spec = _cpu_cluster(64)
     searched, failures = [], [sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0)] * 2
     search, solve = autoplan.auto_plan, intra_op.solve_stages
+    no_plan_below = [0]
 
     def recording_search(*args, **kwargs):
         searched.append(kwargs["spec"].device.memory_bytes)
+        if kwargs["spec"].device.memory_bytes < no_plan_below[0]:
+            raise ValueError("no plan fits")
         return search(*args, **kwargs)
 
     def failing_solve(*args, **kwargs):
@@ -211,10 +214,22 @@ def test_a_stage_without_a_fitting_layout_is_searched_again_with_less_memory(mon
     full = spec.device.memory_bytes
     assert searched == [full, int(full * 0.75), int(int(full * 0.75) * 0.75)]
     assert par.plan(state, batches[0]).memory_budget == full
-    # A plan the user fixed is not searched again: the stage's error reaches the caller.
-    failures.append(sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0))
-    with pytest.raises(sharding_ilp.NoLayoutFitsError, match="no fit"):
-        autopar.autoparallel(step, num_stages=1, cluster=spec)(state, batches[0])
+    # With a fixed stage count, or a plan given, nothing is searched again: the stage's error
+    # reaches the caller.
+    fixed_plan = par.plan(state, batches[0])
+    for options in (dict(num_stages=1), dict(plan=fixed_plan)):
+        failures.append(sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0))
+        with pytest.raises(sharding_ilp.NoLayoutFitsError, match="no fit"):
+            autopar.autoparallel(step, cluster=spec, **options)(state, batches[0])
+        assert not failures
+    # After MEMORY_REPLANS more searches, or when the smaller device fits no plan, the
+    # stage's error is raised (with the search's as its cause).
     failures.extend([sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0)] * 4)
     with pytest.raises(sharding_ilp.NoLayoutFitsError, match="no fit"):
         autopar.autoparallel(step, num_stages="auto", cluster=spec)(state, batches[0])
+    assert not failures
+    failures.append(sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0))
+    no_plan_below[0] = full
+    with pytest.raises(sharding_ilp.NoLayoutFitsError, match="no fit") as raised:
+        autopar.autoparallel(step, num_stages="auto", cluster=spec)(state, batches[0])
+    assert str(raised.value.__cause__) == "no plan fits"

@@ -13,8 +13,8 @@ from typing import Any
 
 from autopar._src import cluster as cluster_mod
 from autopar._src import planner, profile, stages, trace
-from autopar._src.plan import Plan, StagePlan
-from autopar._src.planning import DATA_AXIS, region_layers, require_region, stage_details, trace_at
+from autopar._src.plan import DATA_AXIS, Plan, StagePlan
+from autopar._src.planning import region_layers, require_region, stage_details, trace_at
 
 
 def assign_devices(sizes: Sequence[tuple[int, int]], spec: cluster_mod.ClusterSpec) -> list[list[int]]:

@@ -40,8 +40,15 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
     batch_ids, batch_size = batch_leaves(args, opts.batch_argnums, 1 if nmb == "auto" else nmb)
     spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
     searched = spec  # the cluster the stage search plans for
+    failed: NoLayoutFitsError | None = None
     for attempt in range(MEMORY_REPLANS + 1):
-        step, plan = _plan(fn, args, opts, searched, devices, batch_ids, batch_size)
+        try:
+            step, plan = _plan(fn, args, opts, searched, devices, batch_ids, batch_size)
+        except ValueError as e:
+            if failed is None:
+                raise
+            raise failed from e  # no plan for the smaller device: the stage's error is the cause
+        meshes = driver.stage_meshes(plan, devices)
         mb = batch_size // plan.num_microbatches if batch_size else 0
         program = partition.build_program(step, plan, batch_ids, mb)
         try:
@@ -50,9 +57,10 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
         except NoLayoutFitsError as e:
             if opts.plan is not None or opts.num_stages != "auto" or attempt == MEMORY_REPLANS:
                 raise
+            failed = e
             # The stage search's model (parameters and stashes split over the model axis) was
             # short for a stage: search again as if the device had that much less memory.
-            shrink = min(0.9, e.budget / e.least) if e.least > 0 else 0.9
+            shrink = min(0.9, max(e.budget / e.least, 0.5)) if e.least > 0 else 0.9
             device = dataclasses.replace(
                 searched.device, memory_bytes=int(searched.device.memory_bytes * shrink)
             )
@@ -67,7 +75,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
         program=program,
         plan=plan,
         step=step,
-        meshes=driver.stage_meshes(plan, devices),
+        meshes=meshes,
         batch_leaf_ids=tuple(batch_ids),
         donated_leaf_ids=_leaf_ids(args, opts.donate_argnums),
         shardings=shardings,
@@ -138,18 +146,14 @@ def _layouts(
     """Each stage's layouts from the sharding ILP (none with ``sharding="data"``)."""
     if opts.sharding != "auto":
         return []
-    # Each stage's ILP lays out its inputs and stashes in what the memory model leaves of a
-    # device after the stage's gradient sums and transients.
-    prof = profile.layer_profile(step, tuple(batch_ids))
+    # Each stage's ILP lays out its inputs, gradient sums and stashes in what the memory model
+    # leaves of a device after the backward's transients (a step without autopar's gradient
+    # has no layers to model: its one stage gets the device).
     budget = spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM)
-    return intra_op.solve_stages(
-        step,
-        program,
-        plan,
-        spec,
-        memory_budget=[budget - planner.planned_peak(prof, plan, s).rest for s in range(plan.num_stages)],
-        platform=platform,
-    )
+    if step.region_index() is not None:
+        prof = profile.layer_profile(step, tuple(batch_ids))
+        budget = [max(budget - planner.planned_peak(prof, plan, s).rest, 0.0) for s in range(plan.num_stages)]
+    return intra_op.solve_stages(step, program, plan, spec, memory_budget=budget, platform=platform)
 
 
 def _leaf_ids(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:

@@ -167,8 +167,8 @@ def solve_stage(
 
     The memory row counts the stage's inputs per device: parameters, optimizer state,
     the batch and the activations that arrive from other stages; and, given ``stash_copies``
-    (the microbatches in flight at once), the running sums of its gradients and that many
-    times the values its forwards keep for its backwards. Temporaries are left to the memory
+    (the microbatches in flight at once; 0 counts neither), the running sums of its gradients
+    and that many times the values its forwards keep for its backwards. Temporaries are left to the memory
     model, so ``memory_budget`` should be what it leaves of a device
     (:func:`~autopar._src.planner.planned_peak`).
 
@@ -177,8 +177,8 @@ def solve_stage(
     (e.g. a hand-written plan's parameter shardings); the ILP lays out the rest around them.
 
     Raises:
-      ValueError: if no sharding of the inputs fits ``memory_budget``, or a ``fixed`` layout
-        is not one the input can take on ``mesh``.
+      NoLayoutFitsError: if no layout fits ``memory_budget`` (a ``ValueError``).
+      ValueError: if a ``fixed`` layout is not one the input can take on ``mesh``.
     """
     start = time.perf_counter()
     ops, alias, ties = stage_ops(program, stage)
@@ -279,18 +279,23 @@ def _summed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
 
 
 def _stashed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
-    """The values ``stage`` keeps from one microbatch's task to another's: its forwards' results
-    that its backwards read (each microbatch's stash lives until its backward)."""
+    """The per-microbatch values ``stage`` keeps from one of its tasks to another: its forwards'
+    results that its backwards read (each microbatch's stash lives until its backward; running
+    sums, whose keys are not a microbatch's, are :func:`_summed`)."""
     made: dict[Any, int] = {}
     stashed = set()
     for i, t in enumerate(program.tasks):
-        if t.stage != stage or not t.repeated:
+        if t.stage != stage:
             continue
         for k in t.in_keys:
-            if made.get(k[0], i) != i:
+            if _of_microbatch(k) and made.get(k, i) != i:
                 stashed.add(alias_root(alias, k[0]))
-        made.update((k[0], i) for k in t.out_keys)
+        made.update((k, i) for k in t.out_keys if _of_microbatch(k))
     return stashed
+
+
+def _of_microbatch(key: Any) -> bool:
+    return isinstance(key[1], int) and not isinstance(key[1], bool)
 
 
 def _charged(
@@ -378,9 +383,11 @@ def solve_stages(
     platform: str = "",
 ) -> list[StageSharding | None]:
     """:func:`solve_stage` for every stage of ``plan`` with more than one device (None for others);
-    ``memory_budget`` is one for every stage or one per stage."""
+    ``memory_budget`` is one for every stage or a sequence of one per stage."""
     result: list[StageSharding | None] = []
     carried = carried_state(step)
+    if isinstance(memory_budget, Sequence) and len(memory_budget) != plan.num_stages:
+        raise ValueError(f"{len(memory_budget)} memory budgets for {plan.num_stages} stages")
     for i, st in enumerate(plan.stages):
         if len(st.device_ids) == 1:
             result.append(None)

@@ -21,6 +21,7 @@ from autopar._src import cluster as cluster_mod
 from autopar._src import stages
 from autopar._src.plan import DATA_AXIS, Plan
 from autopar._src.profile import LayerProfile
+from autopar._src.stage_problem import num_in_flight
 
 MEMORY_HEADROOM = 0.15
 """Fraction of device memory kept free: the memory model's validated error bound
@@ -105,7 +106,8 @@ class PeakParts(NamedTuple):
     gradient_sums: float
     """The running sums of the gradients over microbatches, which the ILP counts as well."""
     rest: float
-    """The backward's transients, which it does not."""
+    """The backward's transients, which it does not (with one microbatch, also its gradients,
+    which are the sums)."""
     microbatch_gradients: float
     """The part of ``rest`` that is one microbatch's parameter gradients, held whole while a
     backward runs (until they are reduced and added to the sums)."""
@@ -113,10 +115,7 @@ class PeakParts(NamedTuple):
 
 def in_flight(plan: Plan, stage: int) -> int:
     """Microbatches whose forward has run on ``stage`` and backward not yet, at most at once."""
-    nmb = plan.num_microbatches
-    if nmb == 1:
-        return 1
-    return nmb if plan.schedule == "gpipe" else min(plan.num_stages - stage, nmb)
+    return num_in_flight(plan.num_stages - 1 - stage, plan.num_microbatches, plan.schedule)
 
 
 def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
