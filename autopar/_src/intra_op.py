@@ -167,10 +167,10 @@ def solve_stage(
 
     The memory row counts the stage's inputs per device: parameters, optimizer state,
     the batch and the activations that arrive from other stages; and, given ``stash_copies``
-    (the microbatches in flight at once; 0 counts neither), the running sums of its gradients
-    and that many times the values its forwards keep for its backwards. Temporaries are left to the memory
-    model, so ``memory_budget`` should be what it leaves of a device
-    (:func:`~autopar._src.planner.planned_peak`).
+    (the microbatches in flight at once; 0 counts neither), the running sums of its
+    gradients and that many times the values its forwards keep for its backwards.
+    Temporaries are left to the memory model, so ``memory_budget`` should be what it leaves
+    of a device (:func:`~autopar._src.planner.planned_peak`).
 
     ``carried`` (see :func:`carried_state`) ties the step's new state to the state it
     replaces, so that they are laid out alike. ``fixed`` gives some inputs a layout

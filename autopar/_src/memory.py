@@ -84,7 +84,8 @@ def _donated(exe: Executable, task_index: int, key: Key) -> bool:
 
 def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
     """The planner's memory model for ``stage`` of ``exe``'s plan (see :func:`planner.planned_peak`),
-    with the stage's inputs and stashes as the sharding ILP laid them out where it did."""
+    with the stage's inputs, gradient sums and stashes as the sharding ILP laid them out where
+    it did."""
     from autopar._src import planner
 
     inputs, stashes, sums, rest, gradients = planner.planned_peak(profile, exe.plan, stage)
