@@ -118,9 +118,10 @@ def main() -> None:
         rows,
         notes="'compiled' = live buffers on the stage's devices under the schedule + the running "
         "executable's memory_analysis (arguments + outputs + temporaries - aliased). On ILP stages "
-        "'predicted' takes the stage's inputs and in-flight stashes as the ILP laid them out "
-        "(its memory row) and the rest (gradient sums, transients) from the model; before the "
-        "ILP runs, the stage search's model assumes them split over the model axis.",
+        "'predicted' takes the stage's inputs, gradient sums and in-flight stashes as the ILP laid "
+        "them out (its memory row) and the transients from the model, less the gradients it "
+        "defers; before the ILP runs, the stage search's model assumes them split over the model "
+        "axis.",
     )
     print(f"results: {path}")
     print(f"max_rel_error={max(errors):.3f}")
