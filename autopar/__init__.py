@@ -5,6 +5,7 @@ from autopar._src.cluster import ClusterSpec, DeviceSpec, parse_cluster
 from autopar._src.cluster import preset as cluster_preset
 from autopar._src.compare import Comparison, Manual, compare, megatron_rules, rule_specs
 from autopar._src.plan import Plan, StagePlan
+from autopar._src.sharding_ilp import NoLayoutFitsError
 from autopar._src.stage_problem import NoFeasiblePlanError
 from autopar._src.trace import grad, value_and_grad
 
@@ -15,6 +16,7 @@ __all__ = [
     "Manual",
     "DeviceSpec",
     "NoFeasiblePlanError",
+    "NoLayoutFitsError",
     "Options",
     "Plan",
     "StagePlan",

@@ -230,6 +230,6 @@ def test_a_stage_without_a_fitting_layout_is_searched_again_with_less_memory(mon
     assert not failures
     failures.append(sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0))
     no_plan_below[0] = full
-    with pytest.raises(sharding_ilp.NoLayoutFitsError, match="no fit") as raised:
+    with pytest.raises(autopar.NoLayoutFitsError, match="no fit") as raised:
         autopar.autoparallel(step, num_stages="auto", cluster=spec)(state, batches[0])
     assert str(raised.value.__cause__) == "no plan fits"
