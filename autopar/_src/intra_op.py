@@ -261,7 +261,7 @@ def _transfer_counts(program: Program, stage: int, alias: dict[Any, Any]) -> dic
             v = alias_root(alias, ins.key[0])
             counts[v] = counts.get(v, 0) + 1
     for key, stages in program.input_stages.items():  # the batch: copied in every step
-        if stage in stages and isinstance(key[1], int) and not isinstance(key[1], bool):
+        if stage in stages and _of_microbatch(key):
             counts[key[0]] = counts.get(key[0], 0) + 1
     return counts
 
@@ -295,6 +295,7 @@ def _stashed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
 
 
 def _of_microbatch(key: Any) -> bool:
+    """Whether ``key`` names one microbatch's value (its tag is the microbatch index)."""
     return isinstance(key[1], int) and not isinstance(key[1], bool)
 
 
