@@ -5,13 +5,15 @@ import re
 
 import jax
 import numpy as np
+import optax
 import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
 from autopar._src import cluster as cluster_mod
-from autopar._src import clustering, intra_op, planner, profile, transfers
+from autopar._src import clustering, intra_op, layout_costs, planner, profile, transfers
+from autopar._src.program import Transfer
 from models import train
 from models.mlp import MLPConfig
 
@@ -377,3 +379,36 @@ def test_memory_row_counts_stashes_and_gradient_sums_apart(num_microbatches):
         # several microbatches; with one, the gradients are the step's outputs.
         kernels = [v for v in summed if len(v.aval.shape) == 2]
         assert (len(kernels) >= 1) == (num_microbatches > 1), summed
+        # Every microbatch's slice of the batch is placed at the start of the step.
+        slices = intra_op._batch_slices(exe.program, stage)
+        assert slices and set(slices.values()) == {num_microbatches}, slices
+
+
+def test_received_activations_the_backward_reads_again_count_per_microbatch_in_flight():
+    # Tiny MoE on 3 stages: a middle stage's backward reads some activations it received for
+    # its forward, which it holds like its own stashes, once per microbatch in flight.
+    config = train.tiny_config("moe")
+    step, state = train.setup("moe", "linen", config, optax.sgd(0.1))
+    batch = train.make_batch("moe", config, 16)
+    par = autopar.autoparallel(
+        step, num_stages=3, num_microbatches=4, mesh_shape=(2,), devices=jax.devices()[:6]
+    )
+    exe = par.executable(state, batch)
+    program, stage = exe.program, 1
+    _, alias, _ = intra_op.stage_ops(program, stage)
+    received = {
+        intra_op.alias_root(alias, ins.key[0])
+        for ins in program.instrs
+        if isinstance(ins, Transfer) and ins.dst == stage
+    }
+    stashed = intra_op._stashed(program, stage, alias)
+    assert received & stashed, (received, stashed)
+    # Without a budget the layouts do not depend on the copies; the row grows by each stash's
+    # share per extra copy, the received ones included.
+    mesh = exe.shardings[stage].mesh
+    one, three = (intra_op.solve_stage(program, stage, mesh, stash_copies=n) for n in (1, 3))
+    assert one.specs == three.specs
+    per_copy = sum(layout_costs.share_bytes(v, one.specs[v], mesh) for v in stashed)
+    received_bytes = sum(layout_costs.share_bytes(v, one.specs[v], mesh) for v in received & stashed)
+    assert received_bytes > 0
+    np.testing.assert_allclose(three.memory_bytes - one.memory_bytes, 2 * per_copy, rtol=1e-9)

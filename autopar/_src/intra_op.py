@@ -193,7 +193,10 @@ def solve_stage(
     if stash_copies:
         held = {v: 1.0 for v in _summed(program, stage, alias)}
         held.update((v, float(stash_copies)) for v in _stashed(program, stage, alias))
-        nodes = _charged(nodes, producer, {v: w for v, w in held.items() if v in made}, mesh, "memory_bytes")
+        held.update(_batch_slices(program, stage))
+        # The input nodes already count one copy of what the stage receives.
+        held = {v: w - (v not in made) for v, w in held.items()}
+        nodes = _charged(nodes, producer, {v: w for v, w in held.items() if w > 0}, mesh, "memory_bytes")
     # Links as the graph names them (a call's or scan's result is an alias of a body value).
     chains = [
         c._replace(links=[alias_root(alias, v) for v in c.links])
@@ -280,18 +283,27 @@ def _summed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
 
 def _stashed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
     """The per-microbatch values ``stage`` keeps from one of its tasks to another: its forwards'
-    results that its backwards read (each microbatch's stash lives until its backward; running
-    sums, whose keys are not a microbatch's, are :func:`_summed`)."""
-    made: dict[Any, int] = {}
+    results, and the activations it receives, that its backwards read (each microbatch's
+    stash lives until its backward). Running sums, whose keys are not a microbatch's, are
+    :func:`_summed`; the batch, placed whole at the start of the step, :func:`_batch_slices`."""
+    first: dict[Any, int] = {}  # key -> the task that made it or first read it
     stashed = set()
     for i, t in enumerate(program.tasks):
         if t.stage != stage:
             continue
         for k in t.in_keys:
-            if _of_microbatch(k) and made.get(k, i) != i:
+            if _of_microbatch(k) and k not in program.input_stages and first.setdefault(k, i) != i:
                 stashed.add(alias_root(alias, k[0]))
-        made.update((k, i) for k in t.out_keys if _of_microbatch(k))
+        first.update((k, i) for k in t.out_keys if _of_microbatch(k))
     return stashed
+
+
+def _batch_slices(program: Program, stage: int) -> Counter:
+    """Batch input -> how many microbatches' slices of it ``stage`` holds (all of them, from
+    the start of the step)."""
+    return Counter(
+        k[0] for k, stages in program.input_stages.items() if stage in stages and _of_microbatch(k)
+    )
 
 
 def _of_microbatch(key: Any) -> bool:
