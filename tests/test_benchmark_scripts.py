@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(script: str, *args: str) -> list[str]:
     env = dict(os.environ)
     # The scripts choose their own device count; this suite's 8-device flag would contradict it.
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # as in conftest.py
     proc = subprocess.run(
         [sys.executable, os.path.join("benchmarks", script), *args],
         cwd=ROOT,
