@@ -7,8 +7,8 @@ import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
 import autopar
+from autopar._src import build, memory, profile
 from autopar._src import cluster as cluster_mod
-from autopar._src import memory, profile
 from models import registry, train
 
 
@@ -89,3 +89,37 @@ def test_tight_stage_layouts_fit_the_device_with_their_stashes():
     limit = tight.device.memory_bytes
     assert max(peaks["roomy"]) > limit, peaks
     assert max(peaks["tight"]) <= limit, peaks
+
+
+def test_check_fits_compares_each_stage_compiled_peak_with_the_device(monkeypatch):
+    config = train.tiny_config("gpt")
+    step, state = train.setup("gpt", "linen", config, optax.sgd(0.1))
+    batch = train.make_batch("gpt", config, 16)
+    par = autopar.autoparallel(step, num_stages="auto", num_microbatches=2, sharding="data")
+    exe = par.executable(state, batch)
+    peak = max(memory.compiled_peak(exe, s).peak for s in range(exe.plan.num_stages))
+    predicted = max(st.memory_bytes for st in exe.plan.stages)
+    # Low enough that the model's prediction calls for a check on both devices below.
+    monkeypatch.setattr(build, "CHECK_FRACTION", 0.5 * predicted / peak)
+    build.check_fits(exe, peak)  # fits exactly
+    with pytest.raises(autopar.NoLayoutFitsError, match="in its compiled program") as raised:
+        build.check_fits(exe, 0.99 * peak)
+    assert raised.value.least == peak and raised.value.budget == 0.99 * peak
+    # A plan the memory model puts below CHECK_FRACTION of the device is not compiled to check.
+    monkeypatch.setattr(memory, "compiled_peak", None)
+    build.check_fits(exe, 1.01 * predicted / build.CHECK_FRACTION)
+
+
+@pytest.mark.slow  # ~65 s: each search's plan is laid out and compiled
+def test_a_program_that_would_not_fit_the_device_is_an_error():
+    # On 1.8 MiB per device tiny GPT's last plan, one (1, 8) stage, fits the memory model but
+    # its compiled program peaks at 2.15 MiB (XLA's temporaries hold many gathered activations
+    # of its backward at once): an error, not a program over the device.
+    config = train.tiny_config("gpt", num_layers=4)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
+    batch = train.make_batch("gpt", config, 16)
+    base = cluster_mod.preset("cpu", devices_per_host=8)
+    spec = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(1.8 * 2**20)))
+    par = autopar.autoparallel(step, cluster=spec, num_stages="auto", num_microbatches=4, donate_argnums=0)
+    with pytest.raises(autopar.NoLayoutFitsError, match="in its compiled program, above the device"):
+        par.executable(state, batch)

@@ -8,7 +8,7 @@ import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
 import autopar
-from autopar._src import autoplan, cluster, clustering, intra_op, layer_sharding, sharding_ilp
+from autopar._src import autoplan, build, cluster, clustering, intra_op, layer_sharding, memory, sharding_ilp
 from models import train
 
 BATCH = 16
@@ -233,3 +233,29 @@ def test_a_stage_without_a_fitting_layout_is_searched_again_with_less_memory(mon
     with pytest.raises(autopar.NoLayoutFitsError, match="no fit") as raised:
         autopar.autoparallel(step, num_stages="auto", cluster=spec)(state, batches[0])
     assert str(raised.value.__cause__) == "no plan fits"
+
+
+def test_a_plan_whose_compiled_program_does_not_fit_is_searched_again(monkeypatch):
+    config = train.tiny_config("mlp")
+    step, state = train.setup("mlp", "linen", config, OPTIMIZERS["sgd"]())
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    spec = _cpu_cluster(64)
+    full = spec.device.memory_bytes
+    searched, overshoots = [], [1.25 * full]  # the first plan's program peaks 25% above the device
+    search, compiled_peak = autoplan.auto_plan, memory.compiled_peak
+
+    def recording_search(*args, **kwargs):
+        searched.append(kwargs["spec"].device.memory_bytes)
+        return search(*args, **kwargs)
+
+    def peak(exe, stage):
+        real = compiled_peak(exe, stage)
+        return dataclasses.replace(real, peak=overshoots.pop()) if overshoots else real
+
+    monkeypatch.setattr(autoplan, "auto_plan", recording_search)
+    monkeypatch.setattr(memory, "compiled_peak", peak)
+    monkeypatch.setattr(build, "CHECK_FRACTION", 0.0)  # check every plan, however small
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages="auto", cluster=spec)
+    # The next search plans for device / peak of the memory; the plan reports the device's.
+    assert searched == [full, int(full * 0.8)]
+    assert par.plan(state, batches[0]).memory_budget == full

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from autopar._src import autoplan, driver, intra_op, partition, planner, planning, profile
+from autopar._src import autoplan, driver, intra_op, memory, partition, planner, planning, profile
 from autopar._src.cluster import ClusterSpec
 from autopar._src.plan import Plan
 from autopar._src.program import Program
@@ -23,7 +23,12 @@ if TYPE_CHECKING:
 
 MEMORY_REPLANS = 3
 """Times the stage search runs again, for a device with less memory, when the sharding ILP
-finds no layout of a stage it chose that fits the memory its model left."""
+finds no layout of a stage it chose that fits the memory its model left, or the compiled
+program of a stage does not fit the device (see :func:`check_fits`)."""
+
+CHECK_FRACTION = 0.5
+"""Plans whose memory model puts a stage at this fraction of a device or more are compiled
+and checked against the device before they run."""
 
 
 def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> driver.Executable:
@@ -32,8 +37,9 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
     Raises:
       ValueError: for invalid arguments or options.
       NoFeasiblePlanError: if no plan fits the cluster's memory.
-      NoLayoutFitsError: if a stage has no layout that fits (for ``num_stages="auto"``, after
-        :data:`MEMORY_REPLANS` searches for a device with less memory each).
+      NoLayoutFitsError: if a stage has no layout that fits, or its compiled program does not
+        fit the device (for ``num_stages="auto"``, after :data:`MEMORY_REPLANS` searches for a
+        device with less memory each).
     """
     devices = list(opts.devices) if opts.devices is not None else jax.devices()
     nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
@@ -53,33 +59,63 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
         program = partition.build_program(step, plan, batch_ids, mb)
         try:
             shardings = _layouts(step, program, plan, spec, batch_ids, devices[0].platform, opts)
+            if searched is not spec:
+                plan = dataclasses.replace(plan, memory_budget=float(spec.device.memory_bytes))
+            if shardings:
+                plan = planning.describe_layouts(
+                    plan, step, args, [None if s is None else s.specs for s in shardings]
+                )
+            exe = driver.Executable(
+                program=program,
+                plan=plan,
+                step=step,
+                meshes=meshes,
+                batch_leaf_ids=tuple(batch_ids),
+                donated_leaf_ids=_leaf_ids(args, opts.donate_argnums),
+                shardings=shardings,
+            )
+            check_fits(exe, spec.device.memory_bytes)
             break
         except NoLayoutFitsError as e:
             if opts.plan is not None or opts.num_stages != "auto" or attempt == MEMORY_REPLANS:
                 raise
             failed = e
-            # The stage search's model (parameters and stashes split over the model axis) was
-            # short for a stage: search again as if the device had that much less memory.
+            # The stage search's model (parameters and stashes split over the model axis, XLA's
+            # temporaries as the largest backward value) was short for a stage: search again as
+            # if the device had that much less memory.
             shrink = min(0.9, max(e.budget / e.least, 0.5)) if e.least > 0 else 0.9
             device = dataclasses.replace(
                 searched.device, memory_bytes=int(searched.device.memory_bytes * shrink)
             )
             searched = dataclasses.replace(searched, device=device)
-    if searched is not spec:
-        plan = dataclasses.replace(plan, memory_budget=float(spec.device.memory_bytes))
-    if shardings:
-        plan = planning.describe_layouts(
-            plan, step, args, [None if s is None else s.specs for s in shardings]
-        )
-    return driver.Executable(
-        program=program,
-        plan=plan,
-        step=step,
-        meshes=meshes,
-        batch_leaf_ids=tuple(batch_ids),
-        donated_leaf_ids=_leaf_ids(args, opts.donate_argnums),
-        shardings=shardings,
-    )
+    return exe
+
+
+def check_fits(exe: driver.Executable, device_bytes: float) -> None:
+    """Checks the compiled program of each stage against the device, where the memory model
+    puts some stage at :data:`CHECK_FRACTION` of it or more (XLA keeps what it compiles here for
+    the first step).
+
+    Raises:
+      NoLayoutFitsError: naming the first stage whose compiled program peaks above
+        ``device_bytes`` (its ``least`` is that peak).
+    """
+    predicted = max(st.memory_bytes for st in exe.plan.stages)
+    if not device_bytes or predicted < CHECK_FRACTION * device_bytes:
+        return
+    for s, st in enumerate(exe.plan.stages):
+        trace = memory.compiled_peak(exe, s)
+        if trace.peak > device_bytes:
+            mesh = dict(zip(st.axis_names, st.mesh_shape, strict=True))
+            raise NoLayoutFitsError(
+                f"stage {s} (layers {st.layers[0]}..{st.layers[1] - 1} on mesh {mesh}) peaks at "
+                f"{trace.peak / 2**20:.3g} MiB per device in its compiled program, above the device's "
+                f"{device_bytes / 2**20:.3g} MiB (during {trace.at_task}, with "
+                f"{trace.temporaries / 2**20:.3g} MiB of XLA's temporaries). Use more devices or "
+                "microbatches, or a cluster with more memory.",
+                budget=device_bytes,
+                least=trace.peak,
+            )
 
 
 def _plan(
