@@ -241,21 +241,34 @@ def test_a_plan_whose_compiled_program_does_not_fit_is_searched_again(monkeypatc
     batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
     spec = _cpu_cluster(64)
     full = spec.device.memory_bytes
-    searched, overshoots = [], [1.25 * full]  # the first plan's program peaks 25% above the device
-    search, compiled_peak = autoplan.auto_plan, memory.compiled_peak
+    searched, checked = [], []
+    # The first plan's stage has no layout that fits; the second's program peaks 25% above
+    # the device; the third fits.
+    failures, overshoots = [sharding_ilp.NoLayoutFitsError("no fit", budget=3.0, least=4.0)], [1.25 * full]
+    search, solve, compiled_peak = autoplan.auto_plan, intra_op.solve_stages, memory.compiled_peak
 
     def recording_search(*args, **kwargs):
         searched.append(kwargs["spec"].device.memory_bytes)
         return search(*args, **kwargs)
 
+    def failing_solve(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return solve(*args, **kwargs)
+
     def peak(exe, stage):
+        checked.append(len(searched))
         real = compiled_peak(exe, stage)
         return dataclasses.replace(real, peak=overshoots.pop()) if overshoots else real
 
     monkeypatch.setattr(autoplan, "auto_plan", recording_search)
+    monkeypatch.setattr(intra_op, "solve_stages", failing_solve)
     monkeypatch.setattr(memory, "compiled_peak", peak)
-    monkeypatch.setattr(build, "CHECK_FRACTION", 0.0)  # check every plan, however small
+    # A small plan on a roomy device is not checked, unless memory already proved tight.
+    monkeypatch.setattr(build, "CHECK_FRACTION", float("inf"))
     par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages="auto", cluster=spec)
-    # The next search plans for device / peak of the memory; the plan reports the device's.
-    assert searched == [full, int(full * 0.8)]
+    # Each later search plans for budget / least, then device / peak, of the memory searched
+    # last; the plan reports the device's.
+    assert searched == [full, int(full * 0.75), int(int(full * 0.75) * 0.8)]
+    assert set(checked) == {2, 3}
     assert par.plan(state, batches[0]).memory_budget == full

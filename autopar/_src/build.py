@@ -38,8 +38,8 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
       ValueError: for invalid arguments or options.
       NoFeasiblePlanError: if no plan fits the cluster's memory.
       NoLayoutFitsError: if a stage has no layout that fits, or its compiled program does not
-        fit the device (for ``num_stages="auto"``, after :data:`MEMORY_REPLANS` searches for a
-        device with less memory each).
+        fit the device (see :func:`check_fits`; for ``num_stages="auto"``, after
+        :data:`MEMORY_REPLANS` searches for a device with less memory each).
     """
     devices = list(opts.devices) if opts.devices is not None else jax.devices()
     nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
@@ -74,7 +74,8 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
                 donated_leaf_ids=_leaf_ids(args, opts.donate_argnums),
                 shardings=shardings,
             )
-            check_fits(exe, spec.device.memory_bytes)
+            # Once memory proved tight, every later plan is checked.
+            check_fits(exe, spec.device.memory_bytes, force=failed is not None)
             break
         except NoLayoutFitsError as e:
             if opts.plan is not None or opts.num_stages != "auto" or attempt == MEMORY_REPLANS:
@@ -91,17 +92,18 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
     return exe
 
 
-def check_fits(exe: driver.Executable, device_bytes: float) -> None:
+def check_fits(exe: driver.Executable, device_bytes: float, *, force: bool = False) -> None:
     """Checks the compiled program of each stage against the device, where the memory model
-    puts some stage at :data:`CHECK_FRACTION` of it or more (XLA keeps what it compiles here for
-    the first step).
+    puts some stage at :data:`CHECK_FRACTION` of it or more, or ``force`` (XLA keeps what it
+    compiles here for the first step). Plans with no predicted memory (a fixed stage count
+    without a search) are checked only if forced.
 
     Raises:
       NoLayoutFitsError: naming the first stage whose compiled program peaks above
         ``device_bytes`` (its ``least`` is that peak).
     """
     predicted = max(st.memory_bytes for st in exe.plan.stages)
-    if not device_bytes or predicted < CHECK_FRACTION * device_bytes:
+    if not device_bytes or (predicted < CHECK_FRACTION * device_bytes and not force):
         return
     for s, st in enumerate(exe.plan.stages):
         trace = memory.compiled_peak(exe, s)

@@ -167,8 +167,9 @@ def solve_stage(
 
     The memory row counts the stage's inputs per device: parameters, optimizer state,
     the batch and the activations that arrive from other stages; and, given ``stash_copies``
-    (the microbatches in flight at once; 0 counts neither), the running sums of its
-    gradients and that many times the values its forwards keep for its backwards.
+    (the microbatches in flight at once; 0: none of what follows), every microbatch's slice
+    of the batch, the running sums of its gradients, and that many times the values its
+    forwards keep for its backwards (those they make and those they received).
     Temporaries are left to the memory model, so ``memory_budget`` should be what it leaves
     of a device (:func:`~autopar._src.planner.planned_peak`).
 
