@@ -361,32 +361,43 @@ def test_dry_run_with_sharding_costs(monkeypatch):
 
 
 @pytest.mark.parametrize("num_microbatches", [1, 4])
-def test_memory_row_counts_stashes_and_gradient_sums_apart(num_microbatches):
+def test_memory_row_counts_held_values_and_gradient_sums_apart(num_microbatches):
     config = MLPConfig(features=(64, 64), in_features=32, num_classes=8)
     step, state, batches = _mlp(config, 16, "sgd")
     par = autopar.autoparallel(step, num_stages=2, num_microbatches=num_microbatches, mesh_shape=(4,))
     exe = par.executable(state, batches[0])
+    program = exe.program
     for stage in range(2):
-        _, alias, _ = intra_op.stage_ops(exe.program, stage)
-        stashed = intra_op._stashed(exe.program, stage, alias)
-        summed = intra_op._summed(exe.program, stage, alias)
-        # The last stage keeps activations for its backward (the first only its inputs: the
-        # batch, and its result is sent on; with one microbatch the last stage's forward and
-        # backward are one task); a running sum is never a stash.
-        assert bool(stashed) == (stage == 1 and num_microbatches > 1)
-        assert not stashed & summed
+        _, alias, _ = intra_op.stage_ops(program, stage)
+        held = intra_op.held_copies(program, stage, alias)
+        summed = intra_op._summed(program, stage, alias)
+        # A running sum is never a microbatch's value.
+        assert not set(held) & summed
         # Every running sum is a gradient of the stage (kernels among them) when there are
         # several microbatches; with one, the gradients are the step's outputs.
         kernels = [v for v in summed if len(v.aval.shape) == 2]
         assert (len(kernels) >= 1) == (num_microbatches > 1), summed
         # Every microbatch's slice of the batch is placed at the start of the step.
-        slices = intra_op._batch_slices(exe.program, stage)
-        assert slices and set(slices.values()) == {num_microbatches}, slices
+        batch = {k[0] for k, stages in program.input_stages.items() if stage in stages and k[1] == 0}
+        assert batch and {held[v] for v in batch} == {num_microbatches}
+        # What a forward keeps for a backward of the stage (another task), one copy per
+        # microbatch in flight under 1F1B: 2 on the first stage, 1 on the last.
+        tasks = [t for t in program.tasks if t.stage == stage]
+        kept = {
+            intra_op.alias_root(alias, k[0])
+            for f in tasks
+            if f.label.startswith("F")
+            for b in tasks
+            if b.label.startswith("B")
+            for k in set(f.out_keys) & set(b.in_keys)
+        }
+        assert all(held[v] == planner.in_flight(exe.plan, stage) for v in kept), kept
+        assert bool(kept) == (stage == 1 and num_microbatches > 1)
 
 
-def test_received_activations_the_backward_reads_again_count_per_microbatch_in_flight():
+def test_received_activations_the_backward_reads_again_are_held_per_microbatch_in_flight():
     # Tiny MoE on 3 stages: a middle stage's backward reads some activations it received for
-    # its forward, which it holds like its own stashes, once per microbatch in flight.
+    # its forward, which it holds like its own stashes.
     config = train.tiny_config("moe")
     step, state = train.setup("moe", "linen", config, optax.sgd(0.1))
     batch = train.make_batch("moe", config, 16)
@@ -395,20 +406,26 @@ def test_received_activations_the_backward_reads_again_count_per_microbatch_in_f
     )
     exe = par.executable(state, batch)
     program, stage = exe.program, 1
-    _, alias, _ = intra_op.stage_ops(program, stage)
-    received = {
+    ops, alias, _ = intra_op.stage_ops(program, stage)
+    read_twice = {
         intra_op.alias_root(alias, ins.key[0])
         for ins in program.instrs
-        if isinstance(ins, Transfer) and ins.dst == stage
+        if isinstance(ins, Transfer)
+        and ins.dst == stage
+        and sum(ins.key in t.in_keys for t in program.tasks if t.stage == stage) > 1
     }
-    stashed = intra_op._stashed(program, stage, alias)
-    assert received & stashed, (received, stashed)
-    # Without a budget the layouts do not depend on the copies; the row grows by each stash's
-    # share per extra copy, the received ones included.
+    held = intra_op.held_copies(program, stage, alias)
+    # At least one per microbatch in flight (2 here); one more while the next microbatch's
+    # arrives, sent as soon as it is made, before a backward frees the oldest.
+    assert read_twice and min(held[v] for v in read_twice) >= planner.in_flight(exe.plan, stage) == 2
+    # Without a budget the layouts do not depend on the memory row; with the held values it
+    # grows by their copies beyond the one an input counts, and by the gradient sums.
     mesh = exe.shardings[stage].mesh
-    one, three = (intra_op.solve_stage(program, stage, mesh, stash_copies=n) for n in (1, 3))
-    assert one.specs == three.specs
-    per_copy = sum(layout_costs.share_bytes(v, one.specs[v], mesh) for v in stashed)
-    received_bytes = sum(layout_costs.share_bytes(v, one.specs[v], mesh) for v in received & stashed)
-    assert received_bytes > 0
-    np.testing.assert_allclose(three.memory_bytes - one.memory_bytes, 2 * per_copy, rtol=1e-9)
+    bare, full = (intra_op.solve_stage(program, stage, mesh, count_held=c) for c in (False, True))
+    assert bare.specs == full.specs
+    made = {v for op in ops for v in op.outs if v is not None}
+    extra = {v: n - (v not in made) for v, n in held.items()}
+    extra.update((v, 1) for v in intra_op._summed(program, stage, alias))
+    expected = sum(n * layout_costs.share_bytes(v, full.specs[v], mesh) for v, n in extra.items() if n > 0)
+    assert expected > 0
+    np.testing.assert_allclose(full.memory_bytes - bare.memory_bytes, expected, rtol=1e-9)

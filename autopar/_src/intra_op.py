@@ -20,13 +20,13 @@ from typing import Any
 import jax
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, deferred, layers, partial_chains, planner
+from autopar._src import compat, deferred, layers, partial_chains
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
 from autopar._src.layout_costs import MeshSpec, share_bytes
 from autopar._src.plan import Plan, StagePlan
-from autopar._src.program import Program, Transfer
+from autopar._src.program import Program, Run, Transfer
 from autopar._src.sharding_ilp import Node, NoLayoutFitsError, total_memory
 from autopar._src.strategy_graph import GraphOp, Tie, graph_of
 from autopar._src.trace import TracedStep
@@ -161,15 +161,16 @@ def solve_stage(
     time_limit: float = STAGE_TIME_LIMIT,
     carried: dict[Any, Any] | None = None,
     fixed: dict[Any, Spec] | None = None,
-    stash_copies: int = 0,
+    count_held: bool = False,
 ) -> StageSharding:
     """Solves the sharding ILP of ``stage`` on ``mesh``.
 
     The memory row counts the stage's inputs per device: parameters, optimizer state,
-    the batch and the activations that arrive from other stages; and, given ``stash_copies``
-    (the microbatches in flight at once; 0: none of what follows), every microbatch's slice
-    of the batch, the running sums of its gradients, and that many times the values its
-    forwards keep for its backwards (those they make and those they received).
+    the batch and the activations that arrive from other stages; and, with ``count_held``,
+    the running sums of its gradients and, of each value a microbatch's task makes or
+    receives, as many copies as the program holds at once between tasks
+    (:func:`held_copies`: the batch's slices, the values its forwards keep for its backwards
+    for every microbatch in flight, those it sends on until they leave).
     Temporaries are left to the memory model, so ``memory_budget`` should be what it leaves
     of a device (:func:`~autopar._src.planner.planned_peak`).
 
@@ -191,10 +192,9 @@ def solve_stage(
     per_byte = 1 / min(mesh.bandwidth)
     moved = {v: n * per_byte for v, n in _transfer_counts(program, stage, alias).items()}
     nodes = _charged(nodes, producer, moved, mesh, "communication_cost")
-    if stash_copies:
+    if count_held:
         held = {v: 1.0 for v in _summed(program, stage, alias)}
-        held.update((v, float(stash_copies)) for v in _stashed(program, stage, alias))
-        held.update(_batch_slices(program, stage))
+        held.update(held_copies(program, stage, alias))
         # The input nodes already count one copy of what the stage receives.
         held = {v: w - (v not in made) for v, w in held.items()}
         nodes = _charged(nodes, producer, {v: w for v, w in held.items() if w > 0}, mesh, "memory_bytes")
@@ -282,29 +282,34 @@ def _summed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
     }
 
 
-def _stashed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
-    """The per-microbatch values ``stage`` keeps from one of its tasks to another: its forwards'
-    results, and the activations it receives, that its backwards read (each microbatch's
-    stash lives until its backward). Running sums, whose keys are not a microbatch's, are
-    :func:`_summed`; the batch, placed whole at the start of the step, :func:`_batch_slices`."""
-    first: dict[Any, int] = {}  # key -> the task that made it or first read it
-    stashed = set()
-    for i, t in enumerate(program.tasks):
-        if t.stage != stage:
-            continue
-        for k in t.in_keys:
-            if _of_microbatch(k) and k not in program.input_stages and first.setdefault(k, i) != i:
-                stashed.add(alias_root(alias, k[0]))
-        first.update((k, i) for k in t.out_keys if _of_microbatch(k))
-    return stashed
+def held_copies(program: Program, stage: int, alias: dict[Any, Any]) -> Counter:
+    """Value -> the most microbatches' copies of it ``stage`` holds at once between its tasks,
+    for the values keyed by microbatch: the batch's slices from the start of the step, what
+    its tasks make from then, and what it receives from its arrival, each until its last use
+    on the stage (the driver's instruction list, as :func:`~autopar._src.memory.compiled_peak`
+    follows it). Running sums, whose keys are not a microbatch's, are :func:`_summed`."""
+    live: dict[Any, set[int]] = {}
+    most: Counter = Counter()
 
+    def add(key: Any) -> None:
+        if _of_microbatch(key):
+            v = alias_root(alias, key[0])
+            live.setdefault(v, set()).add(key[1])
+            most[v] = max(most[v], len(live[v]))
 
-def _batch_slices(program: Program, stage: int) -> Counter:
-    """Batch input -> how many microbatches' slices of it ``stage`` holds (all of them, from
-    the start of the step)."""
-    return Counter(
-        k[0] for k, stages in program.input_stages.items() if stage in stages and _of_microbatch(k)
-    )
+    for key, stages in program.input_stages.items():
+        if stage in stages:
+            add(key)
+    for ins in program.instrs:
+        if isinstance(ins, Run) and program.tasks[ins.task].stage == stage:
+            for k in program.tasks[ins.task].out_keys:
+                add(k)
+        elif isinstance(ins, Transfer) and ins.dst == stage:
+            add(ins.key)
+        for key, where in ins.frees:
+            if where == stage and _of_microbatch(key):
+                live.get(alias_root(alias, key[0]), set()).discard(key[1])
+    return most
 
 
 def _of_microbatch(key: Any) -> bool:
@@ -414,7 +419,7 @@ def solve_stages(
                 memory_budget=memory_budget if not isinstance(memory_budget, Sequence) else memory_budget[i],
                 time_limit=time_limit,
                 carried=carried,
-                stash_copies=planner.in_flight(plan, i),
+                count_held=True,
             )
         except NoLayoutFitsError as e:
             mesh = dict(zip(st.axis_names, st.mesh_shape, strict=True))

@@ -102,7 +102,7 @@ class PeakParts(NamedTuple):
     stage's inputs, which the ILP lays out and counts."""
     stashes: float
     """What the in-flight microbatches' forwards keep for their backwards, which the ILP
-    counts too (its ``stash_copies``)."""
+    counts too (as the program holds them, its ``count_held``)."""
     gradient_sums: float
     """The running sums of the gradients over microbatches, which the ILP counts as well."""
     rest: float
