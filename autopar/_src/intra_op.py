@@ -193,8 +193,8 @@ def solve_stage(
     moved = {v: n * per_byte for v, n in _transfer_counts(program, stage, alias).items()}
     nodes = _charged(nodes, producer, moved, mesh, "communication_cost")
     if count_held:
-        held = {v: 1.0 for v in _summed(program, stage, alias)}
-        held.update(held_copies(program, stage, alias))
+        held = Counter(_summed(program, stage, alias))
+        held.update(held_copies(program, stage, alias))  # adds: a sum and its summands apart
         # The input nodes already count one copy of what the stage receives.
         held = {v: w - (v not in made) for v, w in held.items()}
         nodes = _charged(nodes, producer, {v: w for v, w in held.items() if w > 0}, mesh, "memory_bytes")

@@ -285,14 +285,16 @@ def _integral_relaxation(
 
 
 class NoLayoutFitsError(ValueError):
-    """No layout of a strategy graph fits its memory budget."""
+    """No layout of a strategy graph fits its memory budget (or, from
+    :func:`autopar._src.build.check_fits`, a stage's compiled program does not fit the device)."""
 
     def __init__(self, message: str, *, budget: float, least: float) -> None:
         super().__init__(message)
         self.budget = budget
         """The budget, bytes per device."""
         self.least = least
-        """A lower bound on the bytes per device of any layout (each node on its smallest)."""
+        """A lower bound on the bytes per device of any layout (each node on its smallest); for
+        a compiled program, its peak."""
 
 
 def _raise_unless_feasible(
