@@ -168,9 +168,9 @@ def solve_stage(
     The memory row counts the stage's inputs per device: parameters, optimizer state,
     the batch and the activations that arrive from other stages; and, with ``count_held``,
     the running sums of its gradients and, of each value a microbatch's task makes or
-    receives, as many copies as the program holds at once between tasks
-    (:func:`held_copies`: the batch's slices, the values its forwards keep for its backwards
-    for every microbatch in flight, those it sends on until they leave).
+    receives, the most copies alive when one of its tasks starts (:func:`held_copies`: the
+    batch's slices, the values its forwards keep for its backwards for every microbatch in
+    flight).
     Temporaries are left to the memory model, so ``memory_budget`` should be what it leaves
     of a device (:func:`~autopar._src.planner.planned_peak`).
 
@@ -283,25 +283,26 @@ def _summed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
 
 
 def held_copies(program: Program, stage: int, alias: dict[Any, Any]) -> Counter:
-    """Value -> the most microbatches' copies of it ``stage`` holds at once between its tasks,
-    for the values keyed by microbatch: the batch's slices from the start of the step, what
-    its tasks make from then, and what it receives from its arrival, each until its last use
-    on the stage (the driver's instruction list, as :func:`~autopar._src.memory.compiled_peak`
-    follows it). Running sums, whose keys are not a microbatch's, are :func:`_summed`."""
+    """Value -> the most microbatches' copies of it alive on ``stage`` when one of its tasks
+    starts, for the values keyed by microbatch: the batch's slices from the start of the
+    step, what its tasks make from then, and what it receives from its arrival, each until
+    its last use on the stage (the driver's instruction list, as
+    :func:`~autopar._src.memory.compiled_peak` follows it). A task's results sent on at once
+    are not held. Running sums, whose keys are not a microbatch's, are :func:`_summed`."""
     live: dict[Any, set[int]] = {}
     most: Counter = Counter()
 
     def add(key: Any) -> None:
         if _of_microbatch(key):
-            v = alias_root(alias, key[0])
-            live.setdefault(v, set()).add(key[1])
-            most[v] = max(most[v], len(live[v]))
+            live.setdefault(alias_root(alias, key[0]), set()).add(key[1])
 
     for key, stages in program.input_stages.items():
         if stage in stages:
             add(key)
     for ins in program.instrs:
         if isinstance(ins, Run) and program.tasks[ins.task].stage == stage:
+            for v, tags in live.items():
+                most[v] = max(most[v], len(tags))
             for k in program.tasks[ins.task].out_keys:
                 add(k)
         elif isinstance(ins, Transfer) and ins.dst == stage:
