@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
 from autopar._src import cluster as cluster_mod
-from autopar._src import clustering, intra_op, layout_costs, planner, profile, transfers
+from autopar._src import clustering, intra_op, layout_costs, planner, profile, stage_values, transfers
 from autopar._src.program import Transfer
 from models import train
 from models.mlp import MLPConfig
@@ -369,8 +369,8 @@ def test_memory_row_counts_held_values_and_gradient_sums_apart(num_microbatches)
     program = exe.program
     for stage in range(2):
         _, alias, _ = intra_op.stage_ops(program, stage)
-        held = intra_op.held_copies(program, stage, alias)
-        summed = intra_op._summed(program, stage, alias)
+        held = stage_values.held_copies(program, stage, alias)
+        summed = stage_values.summed(program, stage, alias)
         # A running sum is never a microbatch's value.
         assert not set(held) & summed
         # Every running sum is a gradient of the stage (kernels among them) when there are
@@ -384,7 +384,7 @@ def test_memory_row_counts_held_values_and_gradient_sums_apart(num_microbatches)
         # microbatch in flight under 1F1B: 2 on the first stage, 1 on the last.
         tasks = [t for t in program.tasks if t.stage == stage]
         kept = {
-            intra_op.alias_root(alias, k[0])
+            stage_values.alias_root(alias, k[0])
             for f in tasks
             if f.label.startswith("F")
             for b in tasks
@@ -408,13 +408,13 @@ def test_received_activations_the_backward_reads_again_are_held_per_microbatch_i
     program, stage = exe.program, 1
     ops, alias, _ = intra_op.stage_ops(program, stage)
     read_twice = {
-        intra_op.alias_root(alias, ins.key[0])
+        stage_values.alias_root(alias, ins.key[0])
         for ins in program.instrs
         if isinstance(ins, Transfer)
         and ins.dst == stage
         and sum(ins.key in t.in_keys for t in program.tasks if t.stage == stage) > 1
     }
-    held = intra_op.held_copies(program, stage, alias)
+    held = stage_values.held_copies(program, stage, alias)
     # At least one per microbatch in flight (2 here); one more while the next microbatch's
     # arrives, sent as soon as it is made, before a backward frees the oldest.
     assert read_twice and min(held[v] for v in read_twice) >= planner.in_flight(exe.plan, stage) == 2
@@ -425,7 +425,7 @@ def test_received_activations_the_backward_reads_again_are_held_per_microbatch_i
     assert bare.specs == full.specs
     made = {v for op in ops for v in op.outs if v is not None}
     extra = {v: n - (v not in made) for v, n in held.items()}
-    extra.update((v, 1) for v in intra_op._summed(program, stage, alias))
+    extra.update((v, 1) for v in stage_values.summed(program, stage, alias))
     expected = sum(n * layout_costs.share_bytes(v, full.specs[v], mesh) for v, n in extra.items() if n > 0)
     assert expected > 0
     np.testing.assert_allclose(full.memory_bytes - bare.memory_bytes, expected, rtol=1e-9)

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 from test_intra_op import _collectives, _dots, _gpt_on_one_stage, _hlo
 
-from autopar._src import compat, intra_op
+from autopar._src import compat, intra_op, stage_values
 from autopar._src.expansion import expand_calls
 from autopar._src.strategy_graph import GraphOp, Inner, Tie
 
@@ -38,7 +38,7 @@ def test_nested_calls_expand_into_their_bodies():
     assert all(name.path[0] == id(call) for op in ops for name in op.outs if name is not None)
     # The call's result is the body's last value (the jit's result is its body's), and an
     # equation that calls nothing is left alone.
-    assert intra_op.alias_root(alias, call.outvars[0]) == ops[-1].outs[0]
+    assert stage_values.alias_root(alias, call.outvars[0]) == ops[-1].outs[0]
     assert len(alias) == 2
     assert expand_calls(GraphOp(scale, (call.outvars[0], None), (scale.outvars[0],)), alias) == [
         GraphOp(scale, (call.outvars[0], None), (scale.outvars[0],))
@@ -106,8 +106,8 @@ def test_scan_expands_into_one_iteration_weighted_by_its_length():
     # ... the carry out is tied to the carry in, and the results are the body's.
     carry_in = scan.invars[1]
     assert ties == [Tie(out=ties[0].out, into=carry_in, weight=6)]
-    assert isinstance(ties[0].out, Inner) and intra_op.alias_root(alias, scan.outvars[0]) == ties[0].out
-    stacked = intra_op.alias_root(alias, scan.outvars[1])
+    assert isinstance(ties[0].out, Inner) and stage_values.alias_root(alias, scan.outvars[0]) == ties[0].out
+    stacked = stage_values.alias_root(alias, scan.outvars[1])
     (stack,) = [op for op in ops if stacked in op.outs]
     assert stack.eqn.outvars[0].aval.shape == (1,)  # one slice of the stacked f32[3]
 

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from autopar._src import compat, cost, deferred, interpret, transfers
 from autopar._src.intra_op import StageSharding
 from autopar._src.plan import DATA_AXIS, Plan
-from autopar._src.program import Key, Program, Run, Task
+from autopar._src.program import Key, Program, Run, Task, of_microbatch
 from autopar._src.strategy_graph import Inner
 from autopar._src.trace import TracedStep
 
@@ -175,13 +175,13 @@ class Executable:
 
     def spec(self, key: Key, stage: int) -> PartitionSpec:
         """Partition spec of ``key`` on ``stage``: the ILP's, else the batch dim split over data."""
-        var, tag = key
+        var = key[0]
         chosen = self._stage_sharding(stage)
         if chosen is not None and var in chosen.specs:
             sums = self.deferred[stage]
             stacked = sums.accumulators.get(var) if _is_accumulator(key) else sums.values.get(var)
             return PartitionSpec(*chosen.specs[var]) if stacked is None else stacked.spec(chosen.specs[var])
-        if not isinstance(tag, int) or isinstance(tag, bool):
+        if not of_microbatch(key):
             return PartitionSpec()
         m = self.program.microbatch_size
         if cost.splits_over_batch(var.aval, m) and m % self.meshes[stage].shape[DATA_AXIS] == 0:

@@ -24,10 +24,18 @@ from autopar._src import compat, deferred, layers, partial_chains
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
-from autopar._src.layout_costs import MeshSpec, share_bytes
+from autopar._src.layout_costs import MeshSpec
 from autopar._src.plan import Plan, StagePlan
-from autopar._src.program import Program, Run, Transfer
-from autopar._src.sharding_ilp import Node, NoLayoutFitsError, total_memory
+from autopar._src.program import Program
+from autopar._src.sharding_ilp import NoLayoutFitsError, total_memory
+from autopar._src.stage_values import (
+    alias_root,
+    charged,
+    held_copies,
+    inputs_memory_only,
+    summed,
+    transfer_counts,
+)
 from autopar._src.strategy_graph import GraphOp, Tie, graph_of
 from autopar._src.trace import TracedStep
 
@@ -168,9 +176,9 @@ def solve_stage(
     The memory row counts the stage's inputs per device: parameters, optimizer state,
     the batch and the activations that arrive from other stages; and, with ``count_held``,
     the running sums of its gradients and, of each value a microbatch's task makes or
-    receives, the most copies alive when one of its tasks starts (:func:`held_copies`: the
-    batch's slices, the values its forwards keep for its backwards for every microbatch in
-    flight).
+    receives, the most copies alive when one of its tasks starts
+    (:func:`~autopar._src.stage_values.held_copies`: the batch's slices, the values its
+    forwards keep for its backwards for every microbatch in flight).
     Temporaries are left to the memory model, so ``memory_budget`` should be what it leaves
     of a device (:func:`~autopar._src.planner.planned_peak`).
 
@@ -190,14 +198,14 @@ def solve_stage(
     # Copying a value to or from another stage moves each device's block over the mesh's
     # slowest link, so values that cross stages prefer split layouts.
     per_byte = 1 / min(mesh.bandwidth)
-    moved = {v: n * per_byte for v, n in _transfer_counts(program, stage, alias).items()}
-    nodes = _charged(nodes, producer, moved, mesh, "communication_cost")
+    moved = {v: n * per_byte for v, n in transfer_counts(program, stage, alias).items()}
+    nodes = charged(nodes, producer, moved, mesh, "communication_cost")
     if count_held:
-        held = Counter(_summed(program, stage, alias))
+        held = Counter(summed(program, stage, alias))
         held.update(held_copies(program, stage, alias))  # adds: a sum and its summands apart
         # The input nodes already count one copy of what the stage receives.
         held = {v: w - (v not in made) for v, w in held.items()}
-        nodes = _charged(nodes, producer, {v: w for v, w in held.items() if w > 0}, mesh, "memory_bytes")
+        nodes = charged(nodes, producer, {v: w for v, w in held.items() if w > 0}, mesh, "memory_bytes")
     # Links as the graph names them (a call's or scan's result is an alias of a body value).
     chains = [
         c._replace(links=[alias_root(alias, v) for v in c.links])
@@ -250,104 +258,6 @@ def solve_stage(
     )
 
 
-def alias_root(alias: dict[Any, Any], v: Any) -> Any:
-    """The value ``v`` is an alias of (``v`` itself if none)."""
-    while v in alias:
-        v = alias[v]
-    return v
-
-
-def _transfer_counts(program: Program, stage: int, alias: dict[Any, Any]) -> dict[Any, int]:
-    """How many copies of each value leave or reach ``stage`` per step (the batch included)."""
-    counts: dict[Any, int] = {}
-    for ins in program.instrs:
-        if isinstance(ins, Transfer) and stage in (ins.src, ins.dst):
-            v = alias_root(alias, ins.key[0])
-            counts[v] = counts.get(v, 0) + 1
-    for key, stages in program.input_stages.items():  # the batch: copied in every step
-        if stage in stages and _of_microbatch(key):
-            counts[key[0]] = counts.get(key[0], 0) + 1
-    return counts
-
-
-def _summed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
-    """The values ``stage`` sums over microbatches (its gradients; each running sum has the
-    layout of the value it sums)."""
-    return {
-        alias_root(alias, op.outs[0][0])
-        for t in program.tasks
-        if t.stage == stage
-        for op in t.ops
-        if op.kind == "acc" and op.mode == "add"
-    }
-
-
-def held_copies(program: Program, stage: int, alias: dict[Any, Any]) -> Counter:
-    """Value -> the most microbatches' copies of it alive on ``stage`` when one of its tasks
-    starts, for the values keyed by microbatch: the batch's slices from the start of the
-    step, what its tasks make from then, and what it receives from its arrival, each until
-    its last use on the stage (the driver's instruction list, as
-    :func:`~autopar._src.memory.compiled_peak` follows it). A task's results sent on at once
-    are not held. Running sums, whose keys are not a microbatch's, are :func:`_summed`."""
-    live: dict[Any, set[int]] = {}
-    most: Counter = Counter()
-
-    def add(key: Any) -> None:
-        if _of_microbatch(key):
-            live.setdefault(alias_root(alias, key[0]), set()).add(key[1])
-
-    for key, stages in program.input_stages.items():
-        if stage in stages:
-            add(key)
-    for ins in program.instrs:
-        if isinstance(ins, Run) and program.tasks[ins.task].stage == stage:
-            for v, tags in live.items():
-                most[v] = max(most[v], len(tags))
-            for k in program.tasks[ins.task].out_keys:
-                add(k)
-        elif isinstance(ins, Transfer) and ins.dst == stage:
-            add(ins.key)
-        for key, where in ins.frees:
-            if where == stage and _of_microbatch(key):
-                live.get(alias_root(alias, key[0]), set()).discard(key[1])
-    return most
-
-
-def _of_microbatch(key: Any) -> bool:
-    """Whether ``key`` names one microbatch's value (its tag is the microbatch index)."""
-    return isinstance(key[1], int) and not isinstance(key[1], bool)
-
-
-def _charged(
-    nodes: tuple[Node, ...],
-    producer: dict[Any, tuple[int, int]],
-    weights: dict[Any, float],
-    mesh: MeshSpec,
-    field: str,
-) -> tuple[Node, ...]:
-    """Adds to ``field`` (a strategy's cost or memory) of each value's producer its bytes per
-    device under that strategy times the value's weight."""
-    extra: dict[int, list[float]] = {}
-    for v, w in weights.items():
-        if v not in producer:
-            continue
-        i, k = producer[v]
-        per = [w * share_bytes(v, s.output_specs[k], mesh) for s in nodes[i].strategies]
-        extra[i] = [a + b for a, b in zip(extra.get(i, [0.0] * len(per)), per, strict=True)]
-    return tuple(
-        Node(
-            name=node.name,
-            strategies=tuple(
-                dataclasses.replace(s, **{field: getattr(s, field) + c})
-                for s, c in zip(node.strategies, extra[i], strict=True)
-            ),
-        )
-        if i in extra
-        else node
-        for i, node in enumerate(nodes)
-    )
-
-
 def carried_state(step: TracedStep) -> dict[Any, Any]:
     """Output var -> the input var it replaces at the next step.
 
@@ -374,22 +284,6 @@ def carried_state(step: TracedStep) -> dict[Any, Any]:
         ):
             pairs[out_var] = in_var
     return pairs
-
-
-def inputs_memory_only(
-    nodes: tuple[Node, ...], producer: dict[Any, tuple[int, int]], made: set[Any]
-) -> tuple[Node, ...]:
-    """``nodes`` with memory left only in the input nodes (the values no op in ``made`` makes):
-    the memory row counts what a stage or layer receives, not its temporaries."""
-    inputs = {producer[name][0] for name in producer if name not in made}
-    return tuple(
-        n
-        if i in inputs
-        else Node(
-            name=n.name, strategies=tuple(dataclasses.replace(s, memory_bytes=0.0) for s in n.strategies)
-        )
-        for i, n in enumerate(nodes)
-    )
 
 
 def solve_stages(

@@ -32,9 +32,10 @@ from autopar._src import compat, deferred, layers, partial_chains, partition
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
-from autopar._src.intra_op import alias_root, inputs_memory_only, logical_mesh
+from autopar._src.intra_op import logical_mesh
 from autopar._src.layout_costs import MeshSpec, divides, shape_of
 from autopar._src.sharding_ilp import Edge, Node, total_memory
+from autopar._src.stage_values import alias_root, inputs_memory_only
 from autopar._src.strategy_graph import GraphOp, Inner, Tie, graph_of
 from autopar._src.trace import TracedStep
 

@@ -13,12 +13,13 @@ is the stage's per-device memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from autopar._src import cost
 from autopar._src.driver import Executable
 from autopar._src.layout_costs import share_bytes
-from autopar._src.program import Key, Run, Transfer
+from autopar._src.program import Key, live_at_runs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,31 +51,21 @@ def _temporaries(exe: Executable, task_index: int) -> float:
 def compiled_peak(exe: Executable, stage: int) -> MemoryTrace:
     """The per-device peak of ``stage`` over one step of the compiled program."""
     program = exe.program
-    live: dict[Key, float] = {}
-    for key, stages in program.input_stages.items():
-        if stage in stages:
-            live[key] = device_bytes(exe, key, stage)
+    size = functools.cache(lambda key: device_bytes(exe, key, stage))
+    placed = sum(size(k) for k, on in program.input_stages.items() if stage in on)
+    best = MemoryTrace(peak=placed, at_task="(inputs)", live=placed, temporaries=0.0)
     temps: dict[int, float] = {}
-    best = MemoryTrace(peak=sum(live.values()), at_task="(inputs)", live=sum(live.values()), temporaries=0.0)
-    for ins in program.instrs:
-        if isinstance(ins, Run) and program.tasks[ins.task].stage == stage:
-            t = program.tasks[ins.task]
-            if id(exe.fns[ins.task]) not in temps:
-                temps[id(exe.fns[ins.task])] = _temporaries(exe, ins.task)
-            for k in t.out_keys:
-                live[k] = device_bytes(exe, k, stage)
-            # Donated inputs already became outputs: drop them before measuring.
-            freed = {loc[0] for loc in ins.frees if loc[1] == stage}
-            donated = [k for k in t.in_keys if k in freed and _donated(exe, ins.task, k)]
-            now = sum(v for k, v in live.items() if k not in donated)
-            temp = temps[id(exe.fns[ins.task])]
-            if now + temp > best.peak:
-                best = MemoryTrace(peak=now + temp, at_task=t.label, live=now, temporaries=temp)
-        elif isinstance(ins, Transfer) and ins.dst == stage:
-            live[ins.key] = device_bytes(exe, ins.key, stage)
-        for key, where in ins.frees:
-            if where == stage:
-                live.pop(key, None)
+    for ins, live in live_at_runs(program, stage):
+        t = program.tasks[ins.task]
+        if id(exe.fns[ins.task]) not in temps:
+            temps[id(exe.fns[ins.task])] = _temporaries(exe, ins.task)
+        # Donated inputs already became outputs: leave them out.
+        freed = {loc[0] for loc in ins.frees if loc[1] == stage}
+        donated = {k for k in t.in_keys if k in freed and _donated(exe, ins.task, k)}
+        now = sum(size(k) for k in dict.fromkeys((*live, *t.out_keys)) if k not in donated)
+        temp = temps[id(exe.fns[ins.task])]
+        if now + temp > best.peak:
+            best = MemoryTrace(peak=now + temp, at_task=t.label, live=now, temporaries=temp)
     return best
 
 

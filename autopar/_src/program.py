@@ -11,6 +11,7 @@ region output after microbatch ``j``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Literal
 
 Key = tuple[Any, Any]
@@ -83,3 +84,24 @@ class Program:
     """Vars that hold one value per microbatch."""
     microbatch_size: int
     """Rows of the batch per microbatch."""
+
+
+def of_microbatch(key: Key) -> bool:
+    """Whether ``key`` names one microbatch's value (its tag is the microbatch index)."""
+    return isinstance(key[1], int) and not isinstance(key[1], bool)
+
+
+def live_at_runs(program: Program, stage: int) -> Iterator[tuple[Run, tuple[Key, ...]]]:
+    """Each run of a task on ``stage``, in the order the driver runs them, with the keys alive
+    on the stage's devices as it starts: the inputs placed at the start of the step, what the
+    stage's tasks make and what it receives, each until the instruction that frees it there."""
+    live = dict.fromkeys(k for k, stages in program.input_stages.items() if stage in stages)
+    for ins in program.instrs:
+        if isinstance(ins, Run) and program.tasks[ins.task].stage == stage:
+            yield ins, tuple(live)
+            live.update(dict.fromkeys(program.tasks[ins.task].out_keys))
+        elif isinstance(ins, Transfer) and ins.dst == stage:
+            live[ins.key] = None
+        for key, where in ins.frees:
+            if where == stage:
+                live.pop(key, None)
