@@ -110,16 +110,34 @@ def test_check_fits_compares_each_stage_compiled_peak_with_the_device(monkeypatc
     build.check_fits(exe, 1.01 * predicted / build.CHECK_FRACTION)
 
 
+def _tiny_gpt_on(mib):
+    config = train.tiny_config("gpt", num_layers=4)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
+    batch = train.make_batch("gpt", config, 16)
+    base = cluster_mod.preset("cpu", devices_per_host=8)
+    spec = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(mib * 2**20)))
+    return step, state, batch, spec
+
+
+def test_a_plan_with_a_fixed_stage_count_is_checked_against_the_device_too():
+    # No stage search gives this plan a memory figure; its memory model as laid out does, and
+    # calls for the check. Tiny GPT on one (1, 8) stage fits the ILP's row on 1.8 MiB per
+    # device but its compiled program peaks at 2.07 MiB.
+    step, state, batch, spec = _tiny_gpt_on(1.8)
+    par = autopar.autoparallel(
+        step, cluster=spec, num_stages=1, mesh_shape=(1, 8), num_microbatches=4, donate_argnums=0
+    )
+    with pytest.raises(autopar.NoLayoutFitsError, match="in its compiled program, above the dev") as raised:
+        par.executable(state, batch)
+    assert raised.value.least > raised.value.budget == spec.device.memory_bytes
+
+
 @pytest.mark.slow  # ~65 s: each search's plan is laid out and compiled
 def test_a_program_that_would_not_fit_the_device_is_an_error():
     # On 1.8 MiB per device tiny GPT's last plan, one (1, 8) stage, fits the memory model but
     # its compiled program peaks at 2.15 MiB (XLA's temporaries hold many gathered activations
     # of its backward at once): an error, not a program over the device.
-    config = train.tiny_config("gpt", num_layers=4)
-    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
-    batch = train.make_batch("gpt", config, 16)
-    base = cluster_mod.preset("cpu", devices_per_host=8)
-    spec = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=int(1.8 * 2**20)))
+    step, state, batch, spec = _tiny_gpt_on(1.8)
     par = autopar.autoparallel(step, cluster=spec, num_stages="auto", num_microbatches=4, donate_argnums=0)
     with pytest.raises(autopar.NoLayoutFitsError, match="in its compiled program, above the device"):
         par.executable(state, batch)

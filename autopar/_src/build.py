@@ -13,6 +13,7 @@ import numpy as np
 from autopar._src import autoplan, driver, intra_op, memory, partition, planner, planning, profile
 from autopar._src.cluster import ClusterSpec
 from autopar._src.plan import Plan
+from autopar._src.profile import LayerProfile
 from autopar._src.program import Program
 from autopar._src.sharding_ilp import NoLayoutFitsError
 from autopar._src.trace import TracedStep
@@ -57,8 +58,10 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
         meshes = driver.stage_meshes(plan, devices)
         mb = batch_size // plan.num_microbatches if batch_size else 0
         program = partition.build_program(step, plan, batch_ids, mb)
+        # The memory model's parts of each layer (none for a step without autopar's gradient).
+        prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None
         try:
-            shardings = _layouts(step, program, plan, spec, batch_ids, devices[0].platform, opts)
+            shardings = _layouts(step, program, plan, spec, prof, devices[0].platform, opts)
             if searched is not spec:
                 plan = dataclasses.replace(plan, memory_budget=float(spec.device.memory_bytes))
             if shardings:
@@ -75,7 +78,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
                 shardings=shardings,
             )
             # Once memory proved tight, every later plan is checked.
-            check_fits(exe, spec.device.memory_bytes, force=failed is not None)
+            check_fits(exe, spec.device.memory_bytes, prof=prof, force=failed is not None)
             break
         except NoLayoutFitsError as e:
             if opts.plan is not None or opts.num_stages != "auto" or attempt == MEMORY_REPLANS:
@@ -92,17 +95,27 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
     return exe
 
 
-def check_fits(exe: driver.Executable, device_bytes: float, *, force: bool = False) -> None:
+def check_fits(
+    exe: driver.Executable,
+    device_bytes: float,
+    *,
+    prof: LayerProfile | None = None,
+    force: bool = False,
+) -> None:
     """Checks the compiled program of each stage against the device, where the memory model
     puts some stage at :data:`CHECK_FRACTION` of it or more, or ``force`` (XLA keeps what it
-    compiles here for the first step). Plans with no predicted memory (a fixed stage count
-    without a search) are checked only if forced.
+    compiles here for the first step). The model's figure is the stage search's and, given the
+    layers' profile ``prof``, :func:`~autopar._src.memory.predicted_peak` of the plan as laid out
+    (a plan with a fixed stage count has only that one).
 
     Raises:
       NoLayoutFitsError: naming the first stage whose compiled program peaks above
         ``device_bytes`` (its ``least`` is that peak).
     """
+    stages = range(exe.plan.num_stages)
     predicted = max(st.memory_bytes for st in exe.plan.stages)
+    if prof is not None:
+        predicted = max(predicted, *(memory.predicted_peak(exe, s, prof) for s in stages))
     if not device_bytes or (predicted < CHECK_FRACTION * device_bytes and not force):
         return
     for s, st in enumerate(exe.plan.stages):
@@ -177,7 +190,7 @@ def _layouts(
     program: Program,
     plan: Plan,
     spec: ClusterSpec,
-    batch_ids: list[int],
+    prof: LayerProfile | None,
     platform: str,
     opts: Options,
 ) -> list[intra_op.StageSharding | None]:
@@ -188,8 +201,7 @@ def _layouts(
     # leaves of a device after the backward's transients (a step without autopar's gradient
     # has no layers to model: its one stage gets the device).
     budget = spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM)
-    if step.region_index() is not None:
-        prof = profile.layer_profile(step, tuple(batch_ids))
+    if prof is not None:
         budget = [max(budget - planner.planned_peak(prof, plan, s).rest, 0.0) for s in range(plan.num_stages)]
     return intra_op.solve_stages(step, program, plan, spec, memory_budget=budget, platform=platform)
 
