@@ -6,6 +6,8 @@ import re
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
@@ -115,6 +117,41 @@ def test_gradients_split_over_a_summed_axis_are_not_deferred():
     again = deferred.deferred_sums(exe.program.tasks, 0, chosen.partial_sums, specs)
     assert total not in again.accumulators
     assert set(again.accumulators) == set(kept.accumulators) - {total}
+
+
+def _shared_gradient_step(params, batch):
+    def loss_fn(p, b):
+        y = jnp.tanh(b["x"] @ (p["a"] + p["b"]))  # one gradient value for "a" and "b"
+        return jnp.mean((jnp.tanh(y @ p["c"]) - b["y"]) ** 2)
+
+    loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+def test_a_gradient_shared_by_two_sums_is_deferred_for_both_or_neither():
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = {k: 0.3 * jax.random.normal(r, (128, 128)) for k, r in zip("abc", keys, strict=False)}
+    batch = {"x": jax.random.normal(keys[3], (1024, 128)), "y": jax.random.normal(keys[4], (1024, 128))}
+    par = autopar.autoparallel(_shared_gradient_step, num_stages=1, num_microbatches=4, mesh_shape=(8,))
+    exe = par.executable(params, batch)
+    chosen, kept = exe.shardings[0], exe.deferred[0]
+    chains = partial_chains.gradient_chains(exe.program.tasks, 0, chosen.partial_sums.__contains__)
+    roots = {}
+    for c in chains:
+        roots.setdefault(c.root, []).append(c.total)
+    (a_total, b_total), *_ = [t for t in roots.values() if len(t) == 2]
+    assert {a_total, b_total} <= set(kept.accumulators)
+    # One of the two sums split over the summed axis: the shared value is not stacked for either.
+    specs = dict(chosen.specs)
+    specs[a_total] = ("data",) + tuple(specs[a_total])[1:]
+    again = deferred.deferred_sums(exe.program.tasks, 0, chosen.partial_sums, specs)
+    assert a_total not in again.accumulators and b_total not in again.accumulators
+    assert set(again.accumulators) == set(kept.accumulators) - {a_total, b_total}
+    mixed = dataclasses.replace(exe, shardings=[dataclasses.replace(chosen, specs=specs)])
+    out = jax.tree.unflatten(mixed.step.out_tree, mixed(jax.tree.leaves((params, batch))))
+    ref = jax.jit(_shared_gradient_step)(params, batch)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOLERANCES["sgd"])
 
 
 class _ConvNet(nn.Module):

@@ -268,6 +268,48 @@ def test_donated_state_is_reused_and_survives_a_failing_call():
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["adamw"])
 
 
+def test_donated_state_the_step_returns_unchanged_stays_alive():
+    # inject_hyperparams keeps its constant hyperparameters in the optimizer state and returns
+    # them as they came: the caller's arrays, which must not be donated to a task's output.
+    config = train.tiny_config("mlp")
+    opt = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, eps=1e-5)
+    step, state = train.setup("mlp", "linen", config, opt)
+    state = jax.device_put(state)
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=2, donate_argnums=0)
+    s_ref, losses = state, []
+    for b in batches:  # first: autopar donates the caller's state
+        s_ref, loss = jax.jit(step)(s_ref, b)
+        losses.append(loss)
+    s_par = state
+    for b, loss_ref in zip(batches, losses, strict=True):
+        s_par, loss_par = par(s_par, b)
+        assert not any(x.is_deleted() for x in jax.tree.leaves(s_par))
+        np.testing.assert_allclose(np.asarray(loss_par), np.asarray(loss_ref), **TOLERANCES["adamw"])
+    for a, b in zip(jax.tree.leaves(s_par), jax.tree.leaves(s_ref), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["adamw"])
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_whole_batch_values_outside_the_gradient_are_an_error_with_microbatches(where):
+    step, state, batch = _mlp_step()
+
+    def counted(state, batch):
+        new, loss = step(state, batch)
+        if where == "before":  # returned: it would be one microbatch's count
+            return new, loss, jnp.sum(batch["x"] > 0)
+        scale = jnp.mean(batch["x"] ** 2)  # read by the update
+        return new.replace(params=jax.tree.map(lambda p: p * scale, new.params)), loss
+
+    before = "Output \\[2\\] of the step .* before the gradient"
+    message = before if where == "before" else "after the gradient"
+    with pytest.raises(ValueError, match=f"{message} \\(at .*test_features.py:.*num_microbatches=2"):
+        autopar.autoparallel(counted, num_stages=2, num_microbatches=2)(state, batch)
+    ref, got = jax.jit(counted)(state, batch), autopar.autoparallel(counted, num_stages=2)(state, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+
+
 def test_donate_and_batch_argnums_must_not_overlap():
     with pytest.raises(ValueError, match="overlaps batch_argnums"):
         autopar.autoparallel(lambda s, b: s, donate_argnums=(1,))

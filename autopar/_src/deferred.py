@@ -108,15 +108,27 @@ def deferred_sums(
     """
     values: dict[Any, Stacked] = {}
     accumulators: dict[Any, Stacked] = {}
+    by_root: dict[Any, list[Chain]] = {}
     for chain in gradient_chains(tasks, stage, partial_sums.__contains__):
-        operand_specs, axes = partial_sums[chain.root]
+        by_root.setdefault(chain.root, []).append(chain)
+
+    def qualifies(chain: Chain) -> bool:
+        axes = partial_sums[chain.root][1]
         if any(set(axes) & spec_axes(specs.get(v, ())) for v in (*chain.links, chain.total)):
-            continue  # split over a summed axis on the way: reduce-scatter each microbatch
-        if any(len(_aval(v).shape) < at for v, at in chain.at.items()):
-            continue  # a link folds the iterations' dims the stacked dim comes after
-        values[chain.root] = Stacked(axes, operand_specs)
-        values.update((v, Stacked(axes, at=chain.at[v])) for v in chain.links)
-        accumulators[chain.total] = Stacked(axes, at=chain.at[chain.total])
+            return False  # split over a summed axis on the way: reduce-scatter each microbatch
+        # A link must not fold the iterations' dims the stacked dim comes after.
+        return all(len(_aval(v).shape) >= at for v, at in chain.at.items())
+
+    for root, chains in by_root.items():
+        # One value may be several gradients (a loss reading ``a + b`` has ``(m, m)``): it is
+        # stacked for all of their sums or for none.
+        if not all(qualifies(c) for c in chains):
+            continue
+        operand_specs, axes = partial_sums[root]
+        values[root] = Stacked(axes, operand_specs)
+        for chain in chains:
+            values.update((v, Stacked(axes, at=chain.at[v])) for v in chain.links)
+            accumulators[chain.total] = Stacked(axes, at=chain.at[chain.total])
     return Deferred(values, accumulators)
 
 

@@ -99,7 +99,10 @@ class Executable:
         self._consts = dict(self.step.const_bindings)
         self._placed_consts: dict[tuple[Key, int], Any] = {}
         cache: dict[tuple[Any, ...], Callable[..., Any]] = {}
-        donated_vars = {self.step.arg_vars[i] for i in self.donated_leaf_ids}
+        # An argument the step returns unchanged is returned as the caller's array, which its
+        # placed copy may share: never donated to a task.
+        returned = {k[0] for k in self.program.output_keys if isinstance(k, tuple)}
+        donated_vars = {self.step.arg_vars[i] for i in self.donated_leaf_ids} - returned
         last_read: dict[int, set[Any]] = {}
         for ins in self.program.instrs:
             if isinstance(ins, Run):

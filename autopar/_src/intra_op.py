@@ -265,16 +265,10 @@ def carried_state(step: TracedStep) -> dict[Any, Any]:
     ``step(state, batch) -> (state, loss)``), with the same shape and dtype, is the next
     value of that input.
     """
-    in_leaves = jax.tree_util.tree_flatten_with_path(
-        jax.tree.unflatten(step.in_tree, range(step.in_tree.num_leaves))
-    )[0]
-    out_leaves = jax.tree_util.tree_flatten_with_path(
-        jax.tree.unflatten(step.out_tree, range(step.out_tree.num_leaves))
-    )[0]
-    by_path = {jax.tree_util.keystr(p): step.arg_vars[i] for p, i in in_leaves}
+    by_path = dict(zip(step.input_paths(), step.arg_vars, strict=True))
     pairs = {}
-    for p, i in out_leaves:
-        out_var, in_var = step.jaxpr.outvars[i], by_path.get(jax.tree_util.keystr(p))
+    for path, out_var in zip(step.output_paths(), step.jaxpr.outvars, strict=True):
+        in_var = by_path.get(path)
         if (
             in_var is not None
             and not compat.is_literal(out_var)

@@ -34,6 +34,11 @@ from autopar._src.plan import Plan
 from autopar._src.program import Key, Location, Op, Program, Run, Task, Transfer
 from autopar._src.trace import TracedStep
 
+_WHOLE_BATCH_FIX = (
+    "Compute it from the batch outside the step, return it as aux from the loss function "
+    "(has_aux=True; averaged over microbatches), or use num_microbatches=1."
+)
+
 
 def _is_var(a: Any) -> bool:
     return not compat.is_literal(a)
@@ -105,17 +110,27 @@ def build_program(
 
     # Which vars hold one value per microbatch: the batch and what derives from it
     # outside the region (the region's outputs are averaged, so once per step).
-    per_mb: set[Any] = {step.arg_vars[i] for i in batch_leaf_ids}
+    batch_vars = {step.arg_vars[i] for i in batch_leaf_ids}
+    per_mb: set[Any] = set(batch_vars)
     for i, eqn in enumerate(eqns):
         if i != region_at and any(a in per_mb for a in _eqn_invars(eqn)):
             if region_at is not None and i > region_at and nmb > 1:
                 raise ValueError(
-                    f"The step computes {eqn.primitive.name} from the batch after the gradient, "
-                    f"which needs the whole batch, but it is split into num_microbatches={nmb}. "
-                    "Return such values as aux from the loss function (has_aux=True), or use "
-                    "num_microbatches=1."
+                    f"The step computes {eqn.primitive.name} from the batch after the gradient "
+                    f"(at {compat.source_line(eqn)}), which needs the whole batch, but it is split "
+                    f"into num_microbatches={nmb}. {_WHOLE_BATCH_FIX}"
                 )
             per_mb.update(_eqn_outvars(eqn))
+    if nmb > 1:
+        for path, v in zip(step.output_paths(), jaxpr.outvars, strict=True):
+            if _is_var(v) and v in per_mb and v not in batch_vars:
+                made = next(e for e in eqns if v in e.outvars)
+                raise ValueError(
+                    f"Output {path} of the step ({v.aval.str_short()}) is computed from the batch "
+                    f"before the gradient (at {compat.source_line(made)}): with the batch split "
+                    f"into num_microbatches={nmb} it would be one microbatch's value, not the whole "
+                    f"batch's. {_WHOLE_BATCH_FIX}"
+                )
 
     def okey(a: Any, j: int | None) -> Any:
         if not _is_var(a):

@@ -252,6 +252,14 @@ class TracedStep:
     out_tree: Any
     """Pytree structure of the step's output."""
 
+    def input_paths(self) -> list[str]:
+        """The pytree path of each argument leaf, e.g. ``[0].params['w']``."""
+        return _leaf_paths(self.in_tree)
+
+    def output_paths(self) -> list[str]:
+        """The pytree path of each output leaf, e.g. ``[1]`` for the loss of ``(state, loss)``."""
+        return _leaf_paths(self.out_tree)
+
     def region_index(self) -> int | None:
         """Index of the grad-region equation, or None when the step has none.
 
@@ -266,6 +274,11 @@ class TracedStep:
                 "into one loss function."
             )
         return found[0] if found else None
+
+
+def _leaf_paths(tree: Any) -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(tree, range(tree.num_leaves)))[0]
+    return [jax.tree_util.keystr(p) for p, _ in leaves]
 
 
 def trace_step(fn: Callable[..., Any], args: tuple[Any, ...], options: TraceOptions) -> TracedStep:
