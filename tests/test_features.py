@@ -295,9 +295,10 @@ def test_whole_batch_values_outside_the_gradient_are_an_error_with_microbatches(
     step, state, batch = _mlp_step()
 
     def counted(state, batch):
-        new, loss = step(state, batch)
         if where == "before":  # returned: it would be one microbatch's count
-            return new, loss, jnp.sum(batch["x"] > 0)
+            count = jnp.sum(batch["x"] > 0)
+            return *step(state, batch), count
+        new, loss = step(state, batch)
         scale = jnp.mean(batch["x"] ** 2)  # read by the update
         return new.replace(params=jax.tree.map(lambda p: p * scale, new.params)), loss
 
