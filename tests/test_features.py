@@ -82,6 +82,36 @@ def test_aux_metrics_are_averaged_over_microbatches():
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
 
 
+def test_aux_outputs_per_example_are_an_error_with_microbatches():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+
+    def stepping(aux_of):
+        def step(state, batch):
+            def loss_fn(p):
+                logits = state.apply_fn({"params": p}, batch["x"])
+                loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+                return loss, aux_of(logits)
+
+            (loss, aux), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+            return state.apply_gradients(grads=grads), (loss, aux)
+
+        return step
+
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    per_example = stepping(lambda logits: {"logits": logits, "mean": logits.mean()})
+    with pytest.raises(ValueError, match=r"Aux output 0 .* float32\[16,\d+\] for the batch but float32\[8,"):
+        autopar.autoparallel(per_example, num_stages=2, num_microbatches=2)(state, batches[0])
+    # Reduced over the batch, a non-scalar aux (one value per class) is averaged like a scalar.
+    per_class = stepping(lambda logits: {"per_class": logits.mean(0)})
+    par, s_par, s_ref = autopar.autoparallel(per_class, num_stages=2, num_microbatches=4), state, state
+    for b in batches:
+        (s_par, out_par), (s_ref, out_ref) = par(s_par, b), jax.jit(per_class)(s_ref, b)
+        assert out_par[1]["per_class"].shape == (config.num_classes,)
+        for a, r in zip(jax.tree.leaves((s_par, out_par)), jax.tree.leaves((s_ref, out_ref)), strict=True):
+            np.testing.assert_allclose(as_numpy(a), as_numpy(r), **TOLERANCES["sgd"])
+
+
 def test_nested_jits_dropout_and_rng_like_hugging_face():
     # Each block and the whole loss under jit; dropout keyed by an RNG carried in the
     # state and split outside the gradient (once per step).
@@ -105,6 +135,35 @@ def test_nested_jits_dropout_and_rng_like_hugging_face():
         return (optax.apply_updates(params, updates), opt_state, key), loss
 
     batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    # One microbatch: the dropout masks are drawn for the same shape, so they match.
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=1)
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_a_typed_key_read_on_every_stage_moves_between_them(placed):
+    # The loss reads the state's key in every layer, so each step moves the new key from the
+    # stage that splits it to the others (and, placed on all 8 devices, to both at the start).
+    config = train.tiny_config("gpt", dropout_rate=0.1)
+    model = train.GPT(config)
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    tx = optax.adamw(1e-2, eps=1e-5)
+    state = (params, tx.init(params), jax.random.key(1))
+    if placed:
+        everywhere = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+        state = jax.device_put(state, jax.sharding.NamedSharding(everywhere, jax.sharding.PartitionSpec()))
+
+    def step(state, batch):
+        params, opt_state, key = state
+
+        def loss_fn(p):
+            logits = model.apply({"params": p}, batch["tokens"], deterministic=False, rngs={"dropout": key})
+            return train.next_token_loss(logits, batch["tokens"])
+
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, jax.random.split(key)[0]), loss
+
     # One microbatch: the dropout masks are drawn for the same shape, so they match.
     assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=1)
 

@@ -55,6 +55,9 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             if failed is None:
                 raise
             raise failed from e  # no plan for the smaller device: the stage's error is the cause
+        planning.require_batch_reduced_aux(
+            fn, args, step, batch_ids=batch_ids, batch_size=batch_size, num_microbatches=plan.num_microbatches
+        )
         meshes = driver.stage_meshes(plan, devices)
         mb = batch_size // plan.num_microbatches if batch_size else 0
         program = partition.build_program(step, plan, batch_ids, mb)

@@ -26,9 +26,14 @@ def aval_bytes(aval: Any) -> int:
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0
+    return _prod(shape) * itemsize(dtype)
+
+
+def itemsize(dtype: Any) -> int:
+    """Bytes of one element of ``dtype``."""
     # Extended dtypes (PRNG keys) carry their own itemsize; NumPy cannot read them.
-    itemsize = getattr(dtype, "itemsize", None)
-    return _prod(shape) * int(itemsize if itemsize is not None else np.dtype(dtype).itemsize)
+    size = getattr(dtype, "itemsize", None)
+    return int(size if size is not None else np.dtype(dtype).itemsize)
 
 
 def splits_over_batch(aval: Any, rows: int) -> bool:

@@ -101,6 +101,45 @@ def require_region(step: trace.TracedStep, num_microbatches: int, num_stages: in
         )
 
 
+def require_batch_reduced_aux(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    step: trace.TracedStep,
+    *,
+    batch_ids: Sequence[int],
+    batch_size: int,
+    num_microbatches: int,
+) -> None:
+    """Checks that no aux output of the step's gradient has a dim that grows with the batch
+    (a per-example value, such as the logits): microbatches average aux outputs (and keep the
+    last microbatch's integers), which is right only for values reduced over the batch.
+
+    ``step`` is traced at one microbatch; the step is traced again at the whole batch (only if
+    some aux output is not a scalar) to compare the shapes.
+
+    Raises:
+      ValueError: naming the first such aux output and both of its shapes.
+    """
+    at = step.region_index()
+    if num_microbatches == 1 or at is None:
+        return
+    region = step.jaxpr.eqns[at]
+    num_aux = region.params["info"].num_aux
+    aux = region.outvars[1 : 1 + num_aux]
+    if not any(v.aval.ndim for v in aux):
+        return
+    whole = trace_at(fn, args, batch_ids, batch_size, trace.TraceOptions(num_layers=1))
+    whole_aux = whole.jaxpr.eqns[whole.region_index()].outvars[1 : 1 + num_aux]
+    for i, (part, full) in enumerate(zip(aux, whole_aux, strict=True)):
+        if part.aval.shape != full.aval.shape:
+            raise ValueError(
+                f"Aux output {i} of the loss function is {full.aval.str_short()} for the batch but "
+                f"{part.aval.str_short()} for one of num_microbatches={num_microbatches}: a value per "
+                "example, which microbatches would average instead of concatenate. Return its mean over "
+                "the batch, compute it outside the step, or use num_microbatches=1."
+            )
+
+
 def uniform_plan(
     fn: Callable[..., Any],
     args: tuple[Any, ...],

@@ -24,8 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from autopar._src import cost
 
 WIRE_AXES = ("wire", "copies")
 """Axis names of the flat layouts a transfer may use."""
@@ -151,5 +152,4 @@ def place(x: Any, target: NamedSharding, resharder: Resharder) -> Any:
         target.mesh.devices.flat
     ):
         return resharder(x, target)
-    itemsize = np.dtype(x.dtype).itemsize
-    return resharder.move(x, plan_route(sharding, target, tuple(x.shape), itemsize))
+    return resharder.move(x, plan_route(sharding, target, tuple(x.shape), cost.itemsize(x.dtype)))
