@@ -137,9 +137,9 @@ def test_a_gradient_shared_by_two_sums_is_deferred_for_both_or_neither():
     chosen, kept = exe.shardings[0], exe.deferred[0]
     chains = partial_chains.gradient_chains(exe.program.tasks, 0, chosen.partial_sums.__contains__)
     roots = {}
-    for c in chains:
-        roots.setdefault(c.root, []).append(c.total)
-    (a_total, b_total), *_ = [t for t in roots.values() if len(t) == 2]
+    for c in chains:  # one chain per microbatch's task
+        roots.setdefault(c.root, set()).add(c.total)
+    [(a_total, b_total)] = [tuple(t) for t in roots.values() if len(t) == 2]
     assert {a_total, b_total} <= set(kept.accumulators)
     # One of the two sums split over the summed axis: the shared value is not stacked for either.
     specs = dict(chosen.specs)
