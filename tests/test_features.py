@@ -245,6 +245,8 @@ def test_bad_input_is_a_clear_error_before_any_work(options, message):
         (dict(num_microbatches=0), "num_microbatches must be a positive int or .auto., got 0"),
         (dict(num_stages=0), "num_stages must be a positive int or 'auto', got 0"),
         (dict(schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
+        (dict(num_stages=True), "num_stages must be a positive int or 'auto', got True"),
+        (dict(cost_model="measured", num_microbatches="auto"), "measured' needs num_microbatches as an int"),
     ],
 )
 def test_bad_options_fail_at_decoration(options, message):
@@ -368,6 +370,24 @@ def test_whole_batch_values_outside_the_gradient_are_an_error_with_microbatches(
     ref, got = jax.jit(counted)(state, batch), autopar.autoparallel(counted, num_stages=2)(state, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+
+
+def test_arguments_by_keyword_and_numpy_int_options_are_taken_like_jit():
+    step, state, batch = _mlp_step()
+    par = autopar.autoparallel(step, num_stages=np.int64(2), num_microbatches=np.int32(2))
+    assert par.options.num_stages == 2 and type(par.options.num_microbatches) is int
+    by_keyword, ref = par(state, batch=batch), jax.jit(step)(state, batch=batch)
+    for a, b in zip(jax.tree.leaves(by_keyword), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+    assert par.plan(state=state, batch=batch) is par.plan(state, batch)  # one compiled program
+
+    def keyword_only(state, *, batch):
+        return step(state, batch)
+
+    with pytest.raises(ValueError, match=r"\['batch'\] cannot be \(keyword-only"):
+        autopar.autoparallel(keyword_only)(state, batch=batch)
+    with pytest.raises(TypeError, match="got an unexpected keyword argument 'labels'"):
+        par(state, batch, labels=batch)
 
 
 def test_donate_and_batch_argnums_must_not_overlap():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -47,14 +49,18 @@ class Options:
     """With an int ``num_stages``: each stage's logical mesh, ``(data,)`` or ``(data, model)``."""
 
     def __post_init__(self) -> None:
-        if self.num_microbatches != "auto" and (
-            not isinstance(self.num_microbatches, int) or self.num_microbatches < 1
-        ):
+        for name in ("num_microbatches", "num_stages"):
+            value = getattr(self, name)
+            if value == "auto":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name} must be a positive int or 'auto', got {value!r}")
+            object.__setattr__(self, name, int(value))  # NumPy ints too
+        if self.cost_model == "measured" and self.num_microbatches == "auto":
             raise ValueError(
-                f"num_microbatches must be a positive int or 'auto', got {self.num_microbatches!r}"
+                "cost_model='measured' needs num_microbatches as an int, got 'auto' (each candidate "
+                "count would need its own measurements)"
             )
-        if self.num_stages != "auto" and (not isinstance(self.num_stages, int) or self.num_stages < 1):
-            raise ValueError(f"num_stages must be a positive int or 'auto', got {self.num_stages!r}")
         if self.schedule not in schedule.SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {schedule.SCHEDULES}")
         if any(not isinstance(a, int) for a in self.batch_argnums):
@@ -175,18 +181,20 @@ class AutoParallel:
         self._cache: dict[Any, driver.Executable] = {}
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args = self._positional(args, kwargs)
         exe = self._executable(args)
         leaves = jax.tree.leaves(args)
         return jax.tree.unflatten(exe.step.out_tree, exe(leaves))
 
-    def timed(self, *args: Any) -> tuple[Any, dict[tuple[int, str], float]]:
+    def timed(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[tuple[int, str], float]]:
         """Runs one step waiting for every task; returns the outputs and measured times.
 
         The times are the median seconds of each stage's forward and backward tasks,
         keyed ``(stage, "F" | "B")``, ready for ``plan.timeline(path, task_seconds=...)``.
         Waiting serialises the pipeline, so the step itself is slower than a normal call.
         """
+        args = self._positional(args, kwargs)
         exe = self._executable(args)
         times: list[float] = []
         out = jax.tree.unflatten(exe.step.out_tree, exe(jax.tree.leaves(args), task_times=times))
@@ -197,13 +205,30 @@ class AutoParallel:
                 per_task.setdefault((task.stage, match.group(1)), []).append(seconds)
         return out, {k: float(np.median(v)) for k, v in per_task.items()}
 
-    def plan(self, *args: Any) -> Plan:
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments, without running the step."""
-        return self._executable(args).plan
+        return self._executable(self._positional(args, kwargs)).plan
 
-    def executable(self, *args: Any) -> driver.Executable:
+    def executable(self, *args: Any, **kwargs: Any) -> driver.Executable:
         """The compiled program for these arguments (for inspection)."""
-        return self._executable(args)
+        return self._executable(self._positional(args, kwargs))
+
+    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The step's arguments by position (``batch_argnums`` and ``donate_argnums`` count
+        positions), with those given by keyword put in their place."""
+        if not kwargs:
+            return args
+        try:
+            bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{getattr(self.fn, '__name__', 'the step')}() {e}") from e
+        if bound.kwargs:
+            raise ValueError(
+                f"autopar passes the step's arguments by position, but {sorted(bound.kwargs)} cannot "
+                "be (keyword-only, **kwargs, or after a parameter left to its default); pass every "
+                "argument up to them by position."
+            )
+        return bound.args
 
     def _executable(self, args: tuple[Any, ...]) -> driver.Executable:
         leaves, in_tree = jax.tree.flatten(args)
