@@ -390,6 +390,20 @@ def test_arguments_by_keyword_and_numpy_int_options_are_taken_like_jit():
         par(state, batch, labels=batch)
 
 
+def test_arguments_and_constants_passed_through_come_back_as_arrays_like_jit():
+    step, state, batch = _mlp_step()
+    table = np.arange(3.0, dtype=np.float32)
+
+    def passing(state, batch, scale):
+        return *step(state, batch), scale, table
+
+    out = autopar.autoparallel(passing, num_stages=2, num_microbatches=2)(state, batch, 0.5)
+    ref = jax.jit(passing)(state, batch, 0.5)
+    for got, want in zip(out[2:], ref[2:], strict=True):
+        assert isinstance(got, jax.Array) and (got.dtype, got.weak_type) == (want.dtype, want.weak_type)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_donate_and_batch_argnums_must_not_overlap():
     with pytest.raises(ValueError, match="overlaps batch_argnums"):
         autopar.autoparallel(lambda s, b: s, donate_argnums=(1,))

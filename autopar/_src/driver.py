@@ -302,7 +302,9 @@ class Executable:
         if key in self.program.home:
             return env[(key, self.program.home[key])]
         var = key[0]
-        return self._consts[var] if var in self._consts else leaves[self._arg_index[var]]
+        value = self._consts[var] if var in self._consts else leaves[self._arg_index[var]]
+        # As jit returns them: an argument or constant passed through comes back as an array.
+        return value if isinstance(value, jax.Array) else jnp.asarray(value)
 
 
 def _strongly_typed(x: Any) -> Any:
