@@ -41,7 +41,7 @@ class Options:
     cost_model: Literal["analytic", "measured"] = "analytic"
     """Stage times estimated from FLOPs and links, or compiled and timed on the devices."""
     cost_cache: str | None = None
-    """Directory of the measured-cost cache (default ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar``)."""
+    """Directory of the measured-cost cache (default ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar/costs``)."""
     sharding: Literal["auto", "data"] = "auto"
     """``"auto"``: each stage's layouts come from the sharding ILP (data, tensor and
     optimizer-state parallelism as its costs say); ``"data"``: split the batch, replicate the rest."""

@@ -85,8 +85,8 @@ def auto_plan(
     With ``sharding_costs``, each stage's latency on each logical mesh is the sharding ILP's
     (:mod:`autopar._src.layer_sharding`) instead of the analytic estimate, for devices of
     ``platform``.
-    ``tensor_parallel`` allows logical meshes with ``tp > 1`` (for planning only:
-    the runtime shards stages over the batch).
+    ``tensor_parallel`` allows logical meshes with ``tp > 1`` (``sharding="auto"``; the
+    runtime lays them out with each stage's sharding ILP).
 
     ``device_ids`` are the ids of the cluster's devices, host by host. With
     ``measured_devices`` every layer range is compiled and timed on data-parallel
