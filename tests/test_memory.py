@@ -121,9 +121,9 @@ def _tiny_gpt_on(mib):
 
 def test_a_plan_with_a_fixed_stage_count_is_checked_against_the_device_too():
     # No stage search gives this plan a memory figure; its memory model as laid out does, and
-    # calls for the check. Tiny GPT on one (1, 8) stage fits the ILP's row on 1.8 MiB per
-    # device but its compiled program peaks at 2.07 MiB.
-    step, state, batch, spec = _tiny_gpt_on(1.8)
+    # calls for the check. Tiny GPT on one (1, 8) stage fits the ILP's row on 2.0 MiB per
+    # device but its compiled program peaks at 2.22 MiB (2.47 MiB with jax 0.12).
+    step, state, batch, spec = _tiny_gpt_on(2.0)
     par = autopar.autoparallel(
         step, cluster=spec, num_stages=1, mesh_shape=(1, 8), num_microbatches=4, donate_argnums=0
     )
