@@ -272,3 +272,14 @@ def test_a_plan_whose_compiled_program_does_not_fit_is_searched_again(monkeypatc
     assert searched == [full, int(full * 0.75), int(int(full * 0.75) * 0.8)]
     assert set(checked) == {2, 3}
     assert par.plan(state, batches[0]).memory_budget == full
+
+
+def test_plan_step_takes_the_decorated_step_and_a_cluster_string():
+    config = train.tiny_config("gpt")
+    step, state = train.setup("gpt", "linen", config, optax.sgd(0.1))
+    batch = train.make_batch("gpt", config, BATCH)
+    plain = autopar.plan_step(step, state, batch, cluster=autopar.parse_cluster("1x8xV100"))
+    decorated = autopar.plan_step(autopar.autoparallel(step), state, batch, cluster="1x8xV100")
+    assert decorated.to_dict() == plain.to_dict()
+    with pytest.raises(ValueError, match="cluster must be an autopar.ClusterSpec or a string .*got 8"):
+        autopar.plan_step(step, state, batch, cluster=8)

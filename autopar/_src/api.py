@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from autopar._src import autoplan, build, driver, schedule
-from autopar._src.cluster import ClusterSpec
+from autopar._src.cluster import ClusterSpec, parse_cluster
 from autopar._src.plan import Plan
 
 
@@ -250,7 +250,7 @@ def _aval_key(x: Any) -> Any:
 def plan_step(
     fn: Callable[..., Any],
     *args: Any,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | str,
     num_microbatches: int | Literal["auto"] = "auto",
     batch_argnums: int | Sequence[int] = (1,),
     schedule: schedule.ScheduleName = "1f1b",
@@ -277,6 +277,14 @@ def plan_step(
       ValueError: for invalid arguments.
       NoFeasiblePlanError: if no plan fits the cluster's memory.
     """
+    if isinstance(fn, AutoParallel):  # the decorated step: plan the step it wraps
+        fn = fn.fn
+    if isinstance(cluster, str):
+        cluster = parse_cluster(cluster)
+    elif not isinstance(cluster, ClusterSpec):
+        raise ValueError(
+            f"cluster must be an autopar.ClusterSpec or a string such as '2x8xH100', got {cluster!r}"
+        )
     argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
     Options(num_microbatches=num_microbatches, batch_argnums=argnums, schedule=schedule)
     nmb = 1 if num_microbatches == "auto" else num_microbatches
