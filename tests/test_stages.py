@@ -339,10 +339,25 @@ def test_choose_num_microbatches():
     def never(b):
         raise NoFeasiblePlanError(f"B={b} does not fit")
 
-    with pytest.raises(NoFeasiblePlanError, match="B=8"):
+    with pytest.raises(NoFeasiblePlanError, match=r"B=8 does not fit \(num_microbatches tried: \[2, 4, 8\]"):
         choose_num_microbatches([2, 8, 4], never)
     with pytest.raises(ValueError, match="candidates"):
         choose_num_microbatches([], never)
+    # The fallback counts run only where no candidate fits, and the best of them is kept.
+    seen = []
+
+    def large_only(b):
+        seen.append(b)
+        if b < 16:
+            raise NoFeasiblePlanError(f"B={b} does not fit")
+        return fake_solution(100.0 / b + b)
+
+    assert choose_num_microbatches([1, 2, 4, 8], large_only, fallback=[1, 8, 16, 32, 64])[0] == 16
+    assert seen == [1, 2, 4, 8, 16, 32, 64]
+    assert choose_num_microbatches([4, 8, 16], large_only, fallback=[32])[0] == 16
+    assert seen[-3:] == [4, 8, 16]  # 32 not tried: a candidate fits
+    with pytest.raises(NoFeasiblePlanError, match=r"tried: \[2, 4\]"):
+        choose_num_microbatches([2], never, fallback=[4])
 
 
 def large_instance(num_microbatches: int, memory_budget: float) -> dict:

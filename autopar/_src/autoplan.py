@@ -179,7 +179,10 @@ def auto_plan(
             sharded = sharded_for(step, num_microbatches)
         if num_microbatches is None:
             candidates = planner.microbatch_candidates(batch_size) if batch_size else (1,)
-            nmb, _ = stages.choose_num_microbatches(candidates, lambda b: solve(b, 1.0 / b)[0])
+            # Smaller microbatches hold fewer activations: where no count up to the usual most
+            # fits, the larger divisors of the batch may.
+            more = planner.microbatch_candidates(batch_size, max_microbatches=max(batch_size, 1))
+            nmb, _ = stages.choose_num_microbatches(candidates, lambda b: solve(b, 1.0 / b)[0], fallback=more)
             cuts, flops, fingerprint = region_layers(step)
             scale = 1.0 / nmb
             if retrace:

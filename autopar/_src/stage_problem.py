@@ -255,13 +255,22 @@ def no_plan_error(prob: Problem) -> NoFeasiblePlanError:
     if best[layer] > prob.memory_budget:
         return NoFeasiblePlanError(
             f"No pipeline plan fits in {budget} per device: the largest layer, {prob.layer_names[layer]}, "
-            f"does not fit anywhere: {breakdown}. Use more devices per stage, fewer microbatches in "
-            "flight, rematerialisation or a larger memory budget."
+            f"does not fit anywhere: {breakdown}. Use more devices per stage, more microbatches (each "
+            "holds fewer rows of activations), rematerialisation or a larger memory budget."
         )
     return NoFeasiblePlanError(
         f"No pipeline plan fits in {budget} per device: every layer fits alone, but no split into stages "
-        f"on exactly {prob.num_devices} devices does ({prob.schedule} keeps up to {prob.num_microbatches} "
-        f"microbatches of activations in flight on early stages). The largest layer is "
-        f"{prob.layer_names[layer]}: {breakdown}. Use fewer microbatches, more memory, or another device "
-        "count."
+        f"on exactly {prob.num_devices} devices does ({_in_flight_rule(prob)}). The largest layer is "
+        f"{prob.layer_names[layer]}: {breakdown}. Use more microbatches (each holds fewer rows of "
+        "activations), more memory, or another device count."
+    )
+
+
+def _in_flight_rule(prob: Problem) -> str:
+    b = prob.num_microbatches
+    if prob.schedule == "gpipe":
+        return f"under gpipe every stage keeps the activations of all {b} microbatches"
+    return (
+        f"under {prob.schedule} a stage with s stages after it keeps the activations of min(s + 1, {b}) "
+        "microbatches"
     )

@@ -300,33 +300,44 @@ def _search_t_max(
 
 
 def choose_num_microbatches(
-    candidates: Sequence[int], solve: Callable[[int], StageSolution]
+    candidates: Sequence[int],
+    solve: Callable[[int], StageSolution],
+    *,
+    fallback: Sequence[int] = (),
 ) -> tuple[int, StageSolution]:
     """Picks the number of microbatches whose solution has the smallest objective.
 
     Args:
       candidates: microbatch counts to try.
       solve: the stage search for one count (costs depend on the microbatch size).
+      fallback: counts to try only if no candidate has a plan (e.g. larger ones, whose
+        smaller microbatches hold fewer activations).
 
     Returns:
       ``(num_microbatches, solution)``; ties go to the smaller count.
 
     Raises:
-      NoFeasiblePlanError: the last one raised, if no candidate has a plan.
+      NoFeasiblePlanError: the last one raised, with every count tried, if no count has a plan.
     """
-    if not candidates or any(int(b) != b or b < 1 for b in candidates):
-        raise ValueError(f"candidates must be a non-empty sequence of ints >= 1, got {candidates!r}")
+    if not candidates or any(int(b) != b or b < 1 for b in (*candidates, *fallback)):
+        raise ValueError(
+            f"candidates must be a non-empty sequence of ints >= 1 (fallback too), got {candidates!r} "
+            f"and {fallback!r}"
+        )
     best: tuple[int, StageSolution] | None = None
     error: NoFeasiblePlanError | None = None
-    for b in sorted(set(int(c) for c in candidates)):
-        try:
-            sol = solve(b)
-        except NoFeasiblePlanError as e:
-            error = e
-            continue
-        if best is None or sol.objective < best[1].objective:
-            best = (b, sol)
-    if best is None:
-        assert error is not None
-        raise error
-    return best
+    tried: list[int] = []
+    for group in (candidates, fallback):
+        for b in sorted(set(int(c) for c in group) - set(tried)):
+            tried.append(b)
+            try:
+                sol = solve(b)
+            except NoFeasiblePlanError as e:
+                error = e
+                continue
+            if best is None or sol.objective < best[1].objective:
+                best = (b, sol)
+        if best is not None:
+            return best
+    assert error is not None
+    raise NoFeasiblePlanError(f"{error} (num_microbatches tried: {tried})") from error
