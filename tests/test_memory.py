@@ -7,7 +7,7 @@ import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
 import autopar
-from autopar._src import build, memory, profile
+from autopar._src import build, intra_op, memory, profile
 from autopar._src import cluster as cluster_mod
 from models import registry, train
 
@@ -130,6 +130,16 @@ def test_a_plan_with_a_fixed_stage_count_is_checked_against_the_device_too():
     with pytest.raises(autopar.NoLayoutFitsError, match="in its compiled program, above the dev") as raised:
         par.executable(state, batch)
     assert raised.value.least > raised.value.budget == spec.device.memory_bytes
+
+
+def test_a_stage_whose_transients_fill_the_device_is_named_before_the_ilp(monkeypatch):
+    step, state, batch, spec = _tiny_gpt_on(300_000 / 2**20)
+    monkeypatch.setattr(intra_op, "solve_stages", None)  # the error comes first
+    par = autopar.autoparallel(step, cluster=spec, num_stages=2, num_microbatches=2)
+    message = r"stage 0 \(layers 0..0 on mesh \{'data': 4\}\) has no room for its inputs: .* transients"
+    with pytest.raises(autopar.NoLayoutFitsError, match=message) as raised:
+        par.plan(state, batch)
+    assert raised.value.least >= raised.value.budget > 0
 
 
 @pytest.mark.slow  # ~65 s: each search's plan is laid out and compiled

@@ -205,7 +205,21 @@ def _layouts(
     # has no layers to model: its one stage gets the device).
     budget = spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM)
     if prof is not None:
-        budget = [max(budget - planner.planned_peak(prof, plan, s).rest, 0.0) for s in range(plan.num_stages)]
+        rests = [planner.planned_peak(prof, plan, s).rest for s in range(plan.num_stages)]
+        for s, (st, rest) in enumerate(zip(plan.stages, rests, strict=True)):
+            if rest >= budget:
+                mesh = dict(zip(st.axis_names, st.mesh_shape, strict=True))
+                raise NoLayoutFitsError(
+                    f"stage {s} (layers {st.layers[0]}..{st.layers[1] - 1} on mesh {mesh}) has no room for "
+                    f"its inputs: its backward's transients (the largest value it makes and one "
+                    f"microbatch's gradients) take {rest / 2**20:.3g} MiB per device of the "
+                    f"{budget / 2**20:.3g} MiB the device leaves after the memory model's "
+                    f"{planner.MEMORY_HEADROOM:.0%} margin. Use more devices per stage or microbatches, "
+                    "or a cluster with more memory.",
+                    budget=budget,
+                    least=rest,
+                )
+        budget = [budget - rest for rest in rests]
     return intra_op.solve_stages(step, program, plan, spec, memory_budget=budget, platform=platform)
 
 
