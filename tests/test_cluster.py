@@ -104,6 +104,33 @@ def test_from_dict_rejects_unknown_fields():
         ClusterSpec.from_dict(data)
 
 
+def _without(data, *path):
+    *inner, last = path
+    for key in inner:
+        data = data[key]
+    del data[last]
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda d: "not json {", "is not a cluster spec JSON file"),
+        (lambda d: [], "ClusterSpec data must be a JSON object, got list"),
+        (lambda d: "hi", "ClusterSpec data must be a JSON object, got str"),
+        (lambda d: {**d, "device": [1, 2]}, "'device' must be a JSON object"),
+        (lambda d: {**d, "device": {**d["device"], "peak_flops": [1, 2]}}, "'peak_flops' must map dtypes"),
+        (lambda d: _without(d, "device", "name") or d, r"'device' has no \['name'\]"),
+        (lambda d: {**d, "intra_host_bandwidth": "fast"}, "intra_host_bandwidth must be a positive"),
+    ],
+)
+def test_a_malformed_cluster_file_is_a_value_error_naming_it(tmp_path, edit, message):
+    data = edit(cluster.H100_SXM_8.to_dict())
+    path = tmp_path / "cluster.json"
+    path.write_text(data if isinstance(data, str) and data.startswith("not") else json.dumps(data))
+    with pytest.raises(ValueError, match=f"{path}.*{message}"):
+        ClusterSpec.load(path)
+
+
 def test_submesh_shapes():
     assert cluster.submesh_shapes(cluster.preset("h100", 2)) == ((1, 1), (1, 2), (1, 4), (1, 8), (2, 8))
     assert cluster.submesh_shapes(cluster.H100_SXM_8) == ((1, 1), (1, 2), (1, 4), (1, 8))

@@ -1,5 +1,7 @@
 """Plans as data: the command line, JSON, timelines, dry runs, comparison with pjit."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,3 +135,35 @@ def test_timeline_with_measured_task_times(tmp_path):
     assert np.isclose(forward[0].end - forward[0].start, measured[(1, "F")])
     plan.timeline(str(tmp_path / "measured.png"), task_seconds=measured)
     assert (tmp_path / "measured.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda d: [], "Plan data must be a JSON object, got list"),
+        (lambda d: {k: v for k, v in d.items() if k != "stages"}, r"Plan data has no \['stages'\]"),
+        (lambda d: {**d, "foo": 1}, r"Plan data has unknown fields \['foo'\]"),
+        (lambda d: {**d, "num_microbatches": "2"}, "Plan data has a field of the wrong type"),
+        (lambda d: {**d, "stages": [{**d["stages"][0], "x": 1}]}, r"Plan data stages\[0\] has unknown .*'x'"),
+        (lambda d: {**d, "version": 99}, "Plan format version 99 is not supported"),
+    ],
+)
+def test_a_malformed_plan_file_is_a_value_error_naming_it(tmp_path, edit, message):
+    plan = autopar.Plan(
+        num_microbatches=2,
+        schedule="1f1b",
+        cuts=(),
+        layer_flops=(1.0,),
+        stages=(
+            autopar.StagePlan(
+                layers=(0, 1), device_ids=(0, 1), mesh_shape=(2,), axis_names=("data",), forward_flops=1.0
+            ),
+        ),
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(edit(plan.to_dict())))
+    with pytest.raises(ValueError, match=f"{path}: {message}"):
+        autopar.Plan.load(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=f"{path} is not a plan JSON file"):
+        autopar.Plan.load(str(path))

@@ -14,6 +14,8 @@ import os
 import re
 from typing import Any, NamedTuple
 
+from autopar._src import records
+
 REQUIRED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
@@ -129,17 +131,16 @@ class ClusterSpec:
         Raises:
           ValueError: on missing, unknown or invalid fields.
         """
-        fields = {f.name for f in dataclasses.fields(cls)}
-        if set(data) != fields:
-            raise ValueError(f"ClusterSpec data has fields {sorted(data)}, expected {sorted(fields)}")
-        device = dict(data["device"])
-        device_fields = {f.name for f in dataclasses.fields(DeviceSpec)}
-        if set(device) != device_fields:
+        data = records.fields_of(data, cls, "ClusterSpec data", all_required=True)
+        device = records.fields_of(data["device"], DeviceSpec, "ClusterSpec data 'device'", all_required=True)
+        if not isinstance(device["peak_flops"], dict):
             raise ValueError(
-                f"ClusterSpec data 'device' has fields {sorted(device)}, expected {sorted(device_fields)}"
+                "ClusterSpec data 'device' 'peak_flops' must map dtypes to FLOP/s, got "
+                f"{device['peak_flops']!r:.60}"
             )
-        device["peak_flops"] = tuple(dict(device["peak_flops"]).items())
-        return cls(**{**data, "device": DeviceSpec(**device)})
+        device["peak_flops"] = tuple(device["peak_flops"].items())
+        spec = records.build(DeviceSpec, "ClusterSpec data 'device'", **device)
+        return records.build(cls, "ClusterSpec data", **{**data, "device": spec})
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Writes the spec to ``path`` as JSON."""
@@ -149,9 +150,12 @@ class ClusterSpec:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> ClusterSpec:
-        """Reads a spec written by :meth:`save`."""
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        """Reads a spec written by :meth:`save`.
+
+        Raises:
+          ValueError: naming ``path``, if it holds no cluster spec.
+        """
+        return records.load_json(path, "cluster spec", cls.from_dict)
 
 
 class Link(NamedTuple):

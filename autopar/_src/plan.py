@@ -6,6 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
+from autopar._src import records
 from autopar._src.schedule import SCHEDULES, ScheduleName
 
 DATA_AXIS = "data"
@@ -133,15 +134,19 @@ class Plan:
         Raises:
           ValueError: if the data has another format version or bad fields.
         """
-        version = data.get("version")
+        fields = records.fields_of(data, cls, "Plan data")
+        version = fields.get("version")
         if version != PLAN_VERSION:
             raise ValueError(f"Plan format version {version!r} is not supported (expected {PLAN_VERSION})")
-        stages = tuple(
-            StagePlan(**{k: tuple(v) if isinstance(v, list) else v for k, v in st.items()})
-            for st in data["stages"]
-        )
-        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k != "stages"}
-        return cls(**fields, stages=stages)
+        if not isinstance(fields["stages"], list):
+            raise ValueError(f"Plan data 'stages' must be a list, got {fields['stages']!r:.60}")
+        stages = []
+        for i, st in enumerate(fields.pop("stages")):
+            what = f"Plan data stages[{i}]"
+            st = records.fields_of(st, StagePlan, what)
+            stages.append(records.build(StagePlan, what, **{k: _tuple(v) for k, v in st.items()}))
+        rest = {k: _tuple(v) for k, v in fields.items()}
+        return records.build(cls, "Plan data", **rest, stages=tuple(stages))
 
     def to_json(self) -> str:
         """The plan as a JSON string."""
@@ -149,8 +154,16 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Rebuilds a plan from :meth:`to_json` output."""
-        return cls.from_dict(json.loads(text))
+        """Rebuilds a plan from :meth:`to_json` output.
+
+        Raises:
+          ValueError: if ``text`` is not JSON or not a plan.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a plan's JSON: {e}") from e
+        return cls.from_dict(data)
 
     def save(self, path: str) -> None:
         """Writes the plan as JSON to ``path``."""
@@ -159,9 +172,12 @@ class Plan:
 
     @classmethod
     def load(cls, path: str) -> Plan:
-        """Reads a plan written by :meth:`save`."""
-        with open(path) as f:
-            return cls.from_json(f.read())
+        """Reads a plan written by :meth:`save`.
+
+        Raises:
+          ValueError: naming ``path``, if it holds no plan.
+        """
+        return records.load_json(path, "plan", cls.from_dict)
 
     def timeline(self, path: str, **simulate_kwargs: Any) -> None:
         """Draws the schedule as a Gantt chart PNG (one row per stage) from predicted times.
@@ -176,3 +192,8 @@ class Plan:
         from autopar._src import report
 
         return report.plan_table(self)
+
+
+def _tuple(value: Any) -> Any:
+    """JSON's lists as the tuples the dataclasses hold."""
+    return tuple(value) if isinstance(value, list) else value
