@@ -154,9 +154,19 @@ def test_plan_round_trips_and_is_reused(tmp_path):
     with pytest.raises(ValueError, match="(?i)the plan does not match this step"):
         autopar.autoparallel(other_step, plan=loaded)(other_state, batches[0])
     # Nor do devices it was not made for.
-    fewer = autopar.autoparallel(step, plan=loaded, devices=__import__("jax").devices()[:4])
+    fewer = autopar.autoparallel(step, plan=loaded, devices=jax.devices()[:4])
     with pytest.raises(ValueError, match=r"device ids \[4, 5, 6, 7\] that are not among"):
         fewer(state, batches[0])
+    # A plan for some of the devices runs on just those, when they are given.
+    half = autopar.autoparallel(step, num_stages=2, num_microbatches=2, devices=jax.devices()[:4])
+    on_four = half.plan(state, batches[0])
+    with pytest.raises(ValueError, match=r"uses 4 of the 8 devices .* leaving \[4, 5, 6, 7\] idle"):
+        autopar.autoparallel(step, plan=on_four)(state, batches[0])
+    # Options that a plan fixes cannot be given otherwise.
+    for name, value in [("num_stages", 2), ("num_microbatches", 8), ("schedule", "gpipe")]:
+        with pytest.raises(ValueError, match=f"{name}={value!r} conflicts with the plan given"):
+            autopar.autoparallel(step, plan=loaded, **{name: value})
+    autopar.autoparallel(step, plan=loaded, num_stages=4, num_microbatches=2, schedule="1f1b")
 
 
 @pytest.mark.parametrize(

@@ -67,6 +67,19 @@ class Options:
             raise ValueError(f"batch_argnums must be ints, got {self.batch_argnums!r}")
         if any(not isinstance(a, int) for a in self.donate_argnums):
             raise ValueError(f"donate_argnums must be ints, got {self.donate_argnums!r}")
+        if self.plan is not None:
+            given = {
+                "num_stages": (self.num_stages, "auto", self.plan.num_stages),
+                "num_microbatches": (self.num_microbatches, 1, self.plan.num_microbatches),
+                "schedule": (self.schedule, "1f1b", self.plan.schedule),
+                "mesh_shape": (self.mesh_shape, None, None),
+            }
+            for name, (value, default, planned) in given.items():
+                if value != default and value != planned:
+                    raise ValueError(
+                        f"{name}={value!r} conflicts with the plan given (which has {planned!r}); a plan "
+                        f"fixes it: leave {name} out, or plan again with it."
+                    )
         if set(self.donate_argnums) & set(self.batch_argnums):
             raise ValueError(
                 f"donate_argnums={self.donate_argnums} overlaps batch_argnums={self.batch_argnums}; "

@@ -220,11 +220,18 @@ def reuse_plan(
             "shapes). Plan again for this step."
         )
     ids = {d.id for d in devices}
-    missing = sorted({d for st in plan.stages for d in st.device_ids} - ids)
+    used = {d for st in plan.stages for d in st.device_ids}
+    missing = sorted(used - ids)
     if missing:
         raise ValueError(
             f"The plan uses device ids {missing} that are not among the available devices {sorted(ids)}; "
             "plan again for these devices."
+        )
+    if ids - used:
+        raise ValueError(
+            f"The plan uses {len(used)} of the {len(ids)} devices (ids {sorted(used)}), leaving "
+            f"{sorted(ids - used)} idle; pass devices= with just the plan's devices to run it on them, "
+            "or plan again for all of them."
         )
     return step, plan
 
