@@ -2,13 +2,24 @@
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import optax
 import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
 import autopar
-from autopar._src import autoplan, build, cluster, clustering, intra_op, layer_sharding, memory, sharding_ilp
+from autopar._src import (
+    autoplan,
+    build,
+    cluster,
+    clustering,
+    compat,
+    intra_op,
+    layer_sharding,
+    memory,
+    sharding_ilp,
+)
 from models import train
 
 BATCH = 16
@@ -291,6 +302,9 @@ def test_plan_step_takes_the_decorated_step_and_a_cluster_string():
     plain = autopar.plan_step(step, state, batch, cluster=autopar.parse_cluster("1x8xV100"))
     decorated = autopar.plan_step(autopar.autoparallel(step), state, batch, cluster="1x8xV100")
     assert decorated.to_dict() == plain.to_dict()
+    # Stages name the user's lines where they start and end, not Flax's or JAX's.
+    sources = [line for st in plain.stages for line in st.source]
+    assert sources and all("site-packages" not in line and "models/" in line for line in sources), sources
     with pytest.raises(ValueError, match="cluster must be an autopar.ClusterSpec or a string .*got 8"):
         autopar.plan_step(step, state, batch, cluster=8)
 
@@ -308,3 +322,12 @@ def test_auto_microbatches_go_beyond_64_only_where_no_fewer_fit():
     spec = dataclasses.replace(base, device=dataclasses.replace(base.device, memory_bytes=300 * 1024))
     with pytest.raises(autopar.NoFeasiblePlanError, match=r"more microbatches .*tried: \[1, 2, .*, 256\]"):
         autopar.plan_step(step, state, batch, cluster=spec)
+
+
+def test_source_lines_are_the_users_not_a_librarys():
+    dense = nn.Dense(4)
+    x = jax.numpy.ones((2, 3))
+    params = dense.init(jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(lambda p: dense.apply(p, x))(params).jaxpr  # the matmul is Flax's code
+    line = compat.source_line(next(e for e in jaxpr.eqns if e.primitive.name == "dot_general"))
+    assert "test_planning.py" in line and "site-packages" not in line, line

@@ -7,6 +7,8 @@ Everything else in autopar uses public APIs only. Supported: jax 0.10.x
 
 from __future__ import annotations
 
+import os
+import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -204,8 +206,20 @@ def bind_with_body(eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals
 
 
 def source_line(eqn: Any) -> str:
-    """``file:line (function)`` of the user code that made ``eqn``."""
+    """``file:line (function)`` of the user code that made ``eqn``: the innermost frame outside
+    installed libraries (JAX, Flax, optax, ...) and autopar itself, else JAX's summary."""
+    traceback = eqn.source_info.traceback
+    for frame in getattr(traceback, "frames", None) or ():
+        path = os.path.abspath(frame.file_name)
+        if not any(part in _LIBRARY_DIRS for part in pathlib.PurePath(path).parts) and not path.startswith(
+            _AUTOPAR_DIR
+        ):
+            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
     return source_info_util.summarize(eqn.source_info)
+
+
+_LIBRARY_DIRS = frozenset({"site-packages", "dist-packages"})
+_AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
