@@ -161,6 +161,13 @@ def test_bad_inputs_raise(tmp_path):
         timeline.simulate(plan, task_seconds={(0, "X"): 1.0})
     with pytest.raises(ValueError, match="non-negative"):
         timeline.simulate(plan, task_seconds={(0, "B"): -1.0})
+    # Without predicted latencies the other tasks would be in relative units, not seconds.
+    unpredicted = make_plan([0.0, 0.0])
+    with pytest.raises(ValueError, match=r"no time for \[\(0, 'B'\), \(1, 'B'\), \(1, 'F'\)\]"):
+        timeline.simulate(unpredicted, task_seconds={(0, "F"): 0.01})
+    every = {(s, p): 0.01 for s in range(2) for p in "FB"}
+    spans = [t.end - t.start for t in timeline.simulate(unpredicted, task_seconds=every)]
+    assert spans == pytest.approx([0.01] * len(spans))
     empty = Plan(num_microbatches=1, schedule="gpipe", cuts=(), layer_flops=(1.0,), stages=())
     with pytest.raises(ValueError, match="no stages"):
         timeline.simulate(empty)

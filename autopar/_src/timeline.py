@@ -62,6 +62,12 @@ def _task_durations(
         if not seconds >= 0.0:
             raise ValueError(f"task_seconds[{key!r}]={seconds} must be a non-negative number of seconds")
         durations[key] = float(seconds)
+    missing = sorted(durations.keys() - (task_seconds or {}).keys())
+    if task_seconds and missing and not any(st.latency > 0.0 for st in stages):
+        raise ValueError(
+            f"task_seconds has no time for {missing}, and the plan has no predicted latencies to fill "
+            "them in seconds (only relative units); give every (stage, 'F' | 'B')"
+        )
     return durations
 
 
