@@ -124,9 +124,8 @@ def check_fits(
     for s, st in enumerate(exe.plan.stages):
         trace = memory.compiled_peak(exe, s)
         if trace.peak > device_bytes:
-            mesh = dict(zip(st.axis_names, st.mesh_shape, strict=True))
             raise NoLayoutFitsError(
-                f"stage {s} (layers {st.layers[0]}..{st.layers[1] - 1} on mesh {mesh}) peaks at "
+                f"{st.label(s)} peaks at "
                 f"{trace.peak / 2**20:.3g} MiB per device in its compiled program, above the device's "
                 f"{device_bytes / 2**20:.3g} MiB (during {trace.at_task}, with "
                 f"{trace.temporaries / 2**20:.3g} MiB of XLA's temporaries). Use more devices or "
@@ -208,12 +207,10 @@ def _layouts(
         rests = [planner.planned_peak(prof, plan, s).rest for s in range(plan.num_stages)]
         for s, (st, rest) in enumerate(zip(plan.stages, rests, strict=True)):
             if rest >= budget:
-                mesh = dict(zip(st.axis_names, st.mesh_shape, strict=True))
                 raise NoLayoutFitsError(
-                    f"stage {s} (layers {st.layers[0]}..{st.layers[1] - 1} on mesh {mesh}) has no room for "
-                    f"its inputs: its backward's transients (the largest value it makes and one "
-                    f"microbatch's gradients) take {rest / 2**20:.3g} MiB per device of the "
-                    f"{budget / 2**20:.3g} MiB the device leaves after the memory model's "
+                    f"{st.label(s)} has no room for its inputs: its backward's transients (the largest "
+                    f"value it makes and one microbatch's gradients) take {rest / 2**20:.3g} MiB per "
+                    f"device of the {budget / 2**20:.3g} MiB the device leaves after the memory model's "
                     f"{planner.MEMORY_HEADROOM:.0%} margin. Use more devices per stage or microbatches, "
                     "or a cluster with more memory.",
                     budget=budget,

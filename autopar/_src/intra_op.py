@@ -311,10 +311,8 @@ def solve_stages(
                 count_held=True,
             )
         except NoLayoutFitsError as e:
-            mesh = dict(zip(st.axis_names, st.mesh_shape, strict=True))
             raise NoLayoutFitsError(
-                f"stage {i} (layers {st.layers[0]}..{st.layers[1] - 1} on mesh {mesh}) has no layout: {e} "
-                "More microbatches make its in-flight activations smaller.",
+                f"{st.label(i)} has no layout: {e} More microbatches make its in-flight activations smaller.",
                 budget=e.budget,
                 least=e.least,
             ) from e

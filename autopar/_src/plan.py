@@ -40,6 +40,11 @@ class StagePlan:
     largest_params: tuple[str, ...] = ()
     """The stage's largest parameters: pytree path, shape and partition spec."""
 
+    def label(self, index: int) -> str:
+        """How errors name the stage, e.g. ``stage 1 (layers 4..7 on mesh {'data': 2, 'model': 4})``."""
+        mesh = dict(zip(self.axis_names, self.mesh_shape, strict=True))
+        return f"stage {index} (layers {self.layers[0]}..{self.layers[1] - 1} on mesh {mesh})"
+
     def __post_init__(self) -> None:
         start, stop = self.layers
         if not 0 <= start < stop:
