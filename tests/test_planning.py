@@ -178,6 +178,9 @@ def test_plan_round_trips_and_is_reused(tmp_path):
         with pytest.raises(ValueError, match=f"{name}={value!r} conflicts with the plan given"):
             autopar.autoparallel(step, plan=loaded, **{name: value})
     autopar.autoparallel(step, plan=loaded, num_stages=4, num_microbatches=2, schedule="1f1b")
+    odd = {k: v[:15] for k, v in batches[0].items()}
+    with pytest.raises(ValueError, match="not divisible by the plan's num_microbatches=2; use a batch size"):
+        autopar.autoparallel(step, plan=loaded)(state, odd)
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,9 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
     """
     devices = list(opts.devices) if opts.devices is not None else jax.devices()
     nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
-    batch_ids, batch_size = batch_leaves(args, opts.batch_argnums, 1 if nmb == "auto" else nmb)
+    batch_ids, batch_size = batch_leaves(
+        args, opts.batch_argnums, 1 if nmb == "auto" else nmb, planned=opts.plan is not None
+    )
     spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
     searched = spec  # the cluster the stage search plans for
     failed: NoLayoutFitsError | None = None
@@ -241,8 +243,11 @@ def _leaf_ids(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...
     return tuple(ids)
 
 
-def batch_leaves(args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int) -> tuple[list[int], int]:
-    """Flat indices of the batch leaves and the batch size; validates both."""
+def batch_leaves(
+    args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int, *, planned: bool = False
+) -> tuple[list[int], int]:
+    """Flat indices of the batch leaves and the batch size; validates both (``planned``: the
+    microbatch count is a given plan's)."""
     for a in argnums:
         if not -len(args) <= a < len(args):
             raise ValueError(
@@ -274,10 +279,13 @@ def batch_leaves(args: tuple[Any, ...], argnums: tuple[int, ...], nmb: int) -> t
         )
     size = next(iter(sizes), 0)
     if size and size % nmb:
-        raise ValueError(
-            f"The batch size {size} is not divisible by num_microbatches={nmb}; choose a "
-            f"num_microbatches that divides {size}."
+        fix = (
+            f"use a batch size divisible by {nmb}, or plan again for this batch"
+            if planned
+            else f"choose a num_microbatches that divides {size}"
         )
+        source = "the plan's num_microbatches" if planned else "num_microbatches"
+        raise ValueError(f"The batch size {size} is not divisible by {source}={nmb}; {fix}.")
     return ids, size
 
 
