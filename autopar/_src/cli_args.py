@@ -30,7 +30,6 @@ def int_at_least(minimum: int, *, auto: bool = False) -> Callable[[str], int | s
             raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
 
-    parse.__name__ = "int" if not auto else "int or auto"  # argparse names the type in errors
     return parse
 
 

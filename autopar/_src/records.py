@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -42,7 +43,7 @@ def build(cls: type[T], what: str, **kwargs: Any) -> T:
         raise ValueError(f"{what} has a field of the wrong type: {e}") from e
 
 
-def load_json(path: str | os.PathLike[str], what: str, read: Any) -> Any:
+def load_json(path: str | os.PathLike[str], what: str, read: Callable[[Any], T]) -> T:
     """``read(data)`` of the JSON in ``path``; errors name the file.
 
     Raises:
