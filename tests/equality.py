@@ -7,7 +7,6 @@ import optax
 import autopar
 
 TOLERANCES = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-4, atol=1e-5)}
-TOLERANCES = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-4, atol=1e-5)}
 # Adam maps a gradient element that cancels to ~0 (|g| ~ 1e-8 while typical
 # gradients are ~1e-2) to an update of g / (|g| + eps): with the default eps=1e-8 the
 # float32 summation-order noise of such an element (~1e-9 between a full batch and a

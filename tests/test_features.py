@@ -1,6 +1,7 @@
 """Runtime features beyond the basic matrix: shared parameters, cross-stage
 update reductions, model styles users bring, errors, transfers and buffers."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,34 +83,272 @@ def test_aux_metrics_are_averaged_over_microbatches():
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
 
 
-def test_aux_outputs_per_example_are_an_error_with_microbatches():
+def _aux_step(aux_of, after=lambda aux: aux):
+    """An MLP step whose loss function returns ``aux_of(logits, labels)`` as aux; the step
+    returns ``after(aux)``."""
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return loss, aux_of(logits, batch["y"])
+
+        (loss, aux), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), (loss, after(aux))
+
+    return step
+
+
+def _assert_outputs_as_jit(step, state, batches, **options):
+    par, s_par, s_ref = autopar.autoparallel(step, **options), state, state
+    for b in batches:
+        (s_par, out_par), (s_ref, out_ref) = par(s_par, b), jax.jit(step)(s_ref, b)
+        for a, r in zip(jax.tree.leaves((s_par, out_par)), jax.tree.leaves((s_ref, out_ref)), strict=True):
+            assert a.shape == r.shape and a.dtype == r.dtype
+            np.testing.assert_allclose(as_numpy(a), as_numpy(r), **TOLERANCES["sgd"])
+    return out_par
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2)])
+def test_aux_outputs_per_example_are_concatenated_over_microbatches(mesh_shape):
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(
+        lambda logits, y: {
+            "logits": logits,  # batch dim 0
+            "by_class": logits.T,  # batch dim 1
+            "right": jnp.argmax(logits, -1) == y,  # booleans: concatenated, not the last microbatch's
+            "labels": y,  # a batch input passed through
+            "mean": logits.mean(),
+        }
+    )
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    options = dict(num_stages=2, num_microbatches=4, mesh_shape=mesh_shape)
+    out = _assert_outputs_as_jit(step, state, batches, **options)
+    assert out[1]["by_class"].shape == (config.num_classes, BATCH)
+    np.testing.assert_array_equal(np.asarray(out[1]["labels"]), np.asarray(batches[-1]["y"]))
+
+
+def test_gradients_of_batch_inputs_are_concatenated_over_microbatches():
+    # d loss / d x per example (saliency, input-gradient penalties): the whole batch's mean
+    # gradient is each microbatch's divided by the number of microbatches.
     config = train.tiny_config("mlp")
     state = train.linen_state("mlp", config, optax.sgd(0.1))
 
-    def stepping(aux_of):
-        def step(state, batch):
-            def loss_fn(p):
-                logits = state.apply_fn({"params": p}, batch["x"])
-                loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-                return loss, aux_of(logits)
+    def step(state, batch):
+        def loss_fn(p, x):
+            logits = state.apply_fn({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
-            (loss, aux), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
-            return state.apply_gradients(grads=grads), (loss, aux)
-
-        return step
+        loss, (grads, grad_x) = autopar.value_and_grad(loss_fn, argnums=(0, 1))(state.params, batch["x"])
+        return state.apply_gradients(grads=grads), (loss, grad_x)
 
     batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
-    per_example = stepping(lambda logits: {"logits": logits, "mean": logits.mean()})
-    with pytest.raises(ValueError, match=r"Aux output 0 .* float32\[16,\d+\] for the batch but float32\[8,"):
-        autopar.autoparallel(per_example, num_stages=2, num_microbatches=2)(state, batches[0])
-    # Reduced over the batch, a non-scalar aux (one value per class) is averaged like a scalar.
-    per_class = stepping(lambda logits: {"per_class": logits.mean(0)})
-    par, s_par, s_ref = autopar.autoparallel(per_class, num_stages=2, num_microbatches=4), state, state
-    for b in batches:
-        (s_par, out_par), (s_ref, out_ref) = par(s_par, b), jax.jit(per_class)(s_ref, b)
-        assert out_par[1]["per_class"].shape == (config.num_classes,)
-        for a, r in zip(jax.tree.leaves((s_par, out_par)), jax.tree.leaves((s_ref, out_ref)), strict=True):
-            np.testing.assert_allclose(as_numpy(a), as_numpy(r), **TOLERANCES["sgd"])
+    out = _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+    assert out[1].shape == batches[0]["x"].shape
+
+
+def test_the_batch_shape_read_outside_the_loss_function_is_an_error():
+    # An examples-seen counter: outside the loss function the step is traced at one
+    # microbatch, so x.shape[0] there would count a quarter of the batch.
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    inner = _aux_step(lambda logits, y: logits.mean())
+
+    def step(state_and_seen, batch):
+        state, seen = state_and_seen
+        state, out = inner(state, batch)
+        return (state, seen + batch["x"].shape[0]), out
+
+    batch = train.make_batch("mlp", config, BATCH)
+    state = (state, jnp.zeros((), jnp.int32))
+    outside = r"outside the loss function differs .* \(at .*test_features.*'a:i32\[\] = add b 4:i32\[\]'"
+    with pytest.raises(
+        ValueError, match=outside + r" for one of num_microbatches=4, .*16:i32.* for the batch"
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
+    _assert_outputs_as_jit(step, state, [batch], num_stages=2, num_microbatches=1)  # one microbatch: fine
+
+    # Per-microbatch code may depend on the microbatch's shape (here: a loop over its rows).
+    def rowwise(state_and_seen, batch):
+        rows = jnp.stack([row[::-1] for row in batch["x"]])
+        return inner(state_and_seen[0], {**batch, "x": rows})
+
+    _assert_outputs_as_jit(rowwise, state, [batch], num_stages=2, num_microbatches=4)
+
+
+class _Counting(nnx.Module):
+    """A module whose forward updates its own state: an RNG key it splits, optionally an
+    examples-seen counter."""
+
+    def __init__(self, count: bool):
+        self.dense, self.out = nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 4, rngs=nnx.Rngs(1))
+        self.key = nnx.Variable(jax.random.key(3))
+        self.seen = nnx.Variable(jnp.zeros((), jnp.int32)) if count else None
+
+    def __call__(self, x):
+        if self.seen is not None:
+            self.seen[...] += x.shape[0]
+        self.key[...], noise = jax.random.split(self.key[...])
+        return self.out(self.dense(x + 0.01 * jax.random.normal(noise, x.shape)))
+
+
+def test_module_state_updated_in_the_forward_comes_back_as_from_jit_or_is_an_error():
+    def step(state, batch):
+        model = nnx.merge(graphdef, state)
+        loss, grads = autopar.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param), grads))
+        return nnx.state(model), loss
+
+    batch = {"x": jnp.ones((BATCH, 8)), "y": jnp.zeros((BATCH, 4))}
+    graphdef, state = nnx.split(_Counting(count=False))
+    # The key split in the forward: the first microbatch reads it unfolded, so the module's
+    # next key is jit's (the noise drawn per example differs by design).
+    out, ref = (
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch),
+        jax.jit(step)(state, batch),
+    )
+    np.testing.assert_array_equal(as_numpy(out[0]["key"].get_value()), as_numpy(ref[0]["key"].get_value()))
+    graphdef, state = nnx.split(_Counting(count=True))
+    with pytest.raises(
+        ValueError, match=r"reads the batch's shape \(at .*test_features.*'a:i32\[\] = add b 4:i32"
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
+
+
+@pytest.mark.parametrize("loop", ["scan", "cond"])
+def test_a_counter_passed_through_a_loop_with_the_examples_is_not_computed_from_them(loop):
+    # An RNG-counter-like int goes through a scan or cond together with activations: output by
+    # output, it depends only on itself, so it may be the first microbatch's.
+    def counted(logits, count):
+        if loop == "scan":
+            (logits, count), _ = jax.lax.scan(
+                lambda c, _: ((c[0] * 1.1, c[1] + 1), None), (logits, count), None, 2
+            )
+        else:
+            logits, count = jax.lax.cond(
+                count > 0, lambda h, c: (h * 2, c + 1), lambda h, c: (h, c + 1), logits, count
+            )
+        return logits, count
+
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(lambda logits, y: counted(logits, jnp.ones((), jnp.int32))[1])
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+    _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+
+
+def test_integer_aux_outputs_computed_from_the_examples_are_an_error():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batch = train.make_batch("mlp", config, BATCH)
+    correct = _aux_step(lambda logits, y: jnp.sum(jnp.argmax(logits, -1) == y))
+    with pytest.raises(ValueError, match=r"Aux output 0 .*int32\[\]\) is computed from the examples"):
+        autopar.autoparallel(correct, num_stages=2, num_microbatches=2)(state, batch)
+    _assert_outputs_as_jit(correct, state, [batch], num_stages=2, num_microbatches=1)
+
+
+def test_aux_outputs_reduced_over_the_batch_are_averaged_whatever_their_shape():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(lambda logits, y: {"per_class": logits.mean(0)})
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    out = _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+    assert out[1]["per_class"].shape == (config.num_classes,)
+
+
+def test_aux_outputs_neither_reduced_nor_per_example_are_an_error():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batch = train.make_batch("mlp", config, BATCH)
+    pairs = _aux_step(lambda logits, y: logits @ logits.T)  # one value per pair of examples
+    shapes = r"Aux output 0 .* float32\[16,16\] for the batch but float32\[8,8\]"
+    with pytest.raises(ValueError, match=shapes):
+        autopar.autoparallel(pairs, num_stages=2, num_microbatches=2)(state, batch)
+    # Per example, but read after the gradient, where the step was traced at one microbatch.
+    read_after = _aux_step(lambda logits, y: logits, after=lambda logits: logits.max())
+    with pytest.raises(ValueError, match=r"Aux output 0 .*reads it after the gradient \(at .*test_features"):
+        autopar.autoparallel(read_after, num_stages=2, num_microbatches=2)(state, batch)
+
+
+def _plain_dropout(x, key):
+    return x * jax.random.bernoulli(key, 0.5, x.shape) * 2
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+@pytest.mark.parametrize(
+    "dropout",
+    [
+        lambda x, key: nn.Dropout(0.5, deterministic=False).apply({}, x, rngs={"dropout": key}),
+        jax.checkpoint(_plain_dropout),  # the key is read inside a rematerialised block
+    ],
+)
+def test_each_microbatch_draws_its_own_dropout_mask(make_key, dropout):
+    # The key is split once per step; each microbatch folds in its index, so no two
+    # microbatches share a mask (all rows of x are equal: equal masks give equal rows).
+    def step(w, batch, key):
+        def loss_fn(w):
+            h = dropout(batch["x"] * w, key)
+            return jnp.mean(h**2), (h, key, jax.random.split(key)[0])
+
+        (loss, (h, same_key, next_key)), grad = autopar.value_and_grad(loss_fn, has_aux=True)(w)
+        return w - 0.1 * grad, h, same_key, next_key
+
+    w, batch, key = jnp.ones(()), {"x": jnp.ones((BATCH, 32))}, make_key(1)
+    rows = []
+    for nmb in (1, 4):
+        par = autopar.autoparallel(step, num_stages=1, num_microbatches=nmb, batch_argnums=1)
+        out = par(w, batch, key)
+        np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(par(w, batch, key)[1]))  # deterministic
+        np.testing.assert_array_equal(as_numpy(out[2]), as_numpy(key))  # returned as it came, not folded
+        # A key derived inside the loss function is the first microbatch's, from the key unfolded.
+        np.testing.assert_array_equal(as_numpy(out[3]), as_numpy(jax.jit(step)(w, batch, key)[3]))
+        rows.append(np.asarray(out[1]).reshape(nmb, BATCH // nmb, 32)[:, 0])
+    np.testing.assert_array_equal(rows[0][0], np.asarray(jax.jit(step)(w, batch, key)[1])[0])  # one: as jit
+    masks = rows[1] != 0
+    assert all(not np.array_equal(masks[a], masks[b]) for a in range(4) for b in range(a))
+
+
+def test_an_array_of_keys_is_folded_key_by_key():
+    # One key per layer of a stack (nnx.split_rngs + nnx.vmap keeps them so), drawn in a scan.
+    def step(w, batch, keys):
+        def loss_fn(w):
+            def layer(h, key):
+                return _plain_dropout(h * w, key), None
+
+            h, _ = jax.lax.scan(layer, batch["x"], keys)
+            return jnp.mean(h**2), h
+
+        (loss, h), grad = autopar.value_and_grad(loss_fn, has_aux=True)(w)
+        return w - 0.1 * grad, h
+
+    w, batch, keys = jnp.ones(()), {"x": jnp.ones((BATCH, 32))}, jax.random.split(jax.random.key(0), 3)
+    out = autopar.autoparallel(step, num_stages=1, num_microbatches=2, batch_argnums=1)(w, batch, keys)
+    halves = np.asarray(out[1]).reshape(2, BATCH // 2, 32)[:, 0] != 0
+    assert not np.array_equal(halves[0], halves[1])
+
+
+def test_a_key_drawn_once_per_step_is_not_folded():
+    # Weight noise has the same shape for any batch: one draw per step, as under jit, so its
+    # key is left alone and the step equals jit's with microbatches too.
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+
+    def step(state_and_key, batch):
+        state, key = state_and_key
+        key, sub = jax.random.split(key)
+
+        def loss_fn(p):
+            noisy = jax.tree.map(lambda w: w + 0.01 * jax.random.normal(sub, w.shape), p)
+            logits = state.apply_fn({"params": noisy}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return (state.apply_gradients(grads=grads), key), loss
+
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    state = (state, jax.random.key(0))
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
 
 
 def test_nested_jits_dropout_and_rng_like_hugging_face():
@@ -247,11 +486,54 @@ def test_bad_input_is_a_clear_error_before_any_work(options, message):
         (dict(schedule="zero-bubble"), "schedule='zero-bubble' is not one of"),
         (dict(num_stages=True), "num_stages must be a positive int or 'auto', got True"),
         (dict(cost_model="measured", num_microbatches="auto"), "measured' needs num_microbatches as an int"),
+        (dict(devices=[0, 1]), "devices must be jax devices .*, got 0"),
+        (dict(devices=jax.devices()[:2] * 2), r"devices lists device ids \[0, 1\] more than once"),
+        (dict(cluster=8), "cluster must be an autopar.ClusterSpec or a string such as '2x8xH100', got 8"),
+        (dict(cluster="8xH100"), "8xH100"),
     ],
 )
 def test_bad_options_fail_at_decoration(options, message):
     with pytest.raises(ValueError, match=message):
         autopar.autoparallel(lambda s, b: s, **options)
+
+
+def test_autopar_grad_under_vmap_or_scan_runs_as_a_plain_gradient():
+    # Per-example gradients (DP-SGD clipping) take autopar.grad under vmap; gradient
+    # accumulation takes it under scan. Neither can be pipelined: one stage, one microbatch.
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+
+    def example_loss(p, x, y):
+        logits = state.apply_fn({"params": p}, x[None])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y[None]).mean()
+
+    def clipped(state, batch):
+        grads = jax.vmap(autopar.grad(example_loss), in_axes=(None, 0, 0))(
+            state.params, batch["x"], batch["y"]
+        )
+        scale = jnp.minimum(1.0, 1.0 / (jax.vmap(optax.tree.norm)(grads) + 1e-6))
+        grads = jax.tree.map(lambda g: jnp.tensordot(scale, g, 1) / scale.shape[0], grads)
+        return state.apply_gradients(grads=grads), scale.mean()
+
+    def accumulated(state, batch):
+        halves = jax.tree.map(lambda a: a.reshape(2, -1, *a.shape[1:]), batch)
+
+        def add(acc, half):
+            grads = autopar.grad(
+                lambda p: jax.vmap(example_loss, (None, 0, 0))(p, half["x"], half["y"]).mean()
+            )
+            return jax.tree.map(jnp.add, acc, grads(state.params)), None
+
+        grads, _ = jax.lax.scan(add, jax.tree.map(jnp.zeros_like, state.params), halves)
+        return state.apply_gradients(grads=jax.tree.map(lambda g: g / 2, grads)), jnp.zeros(())
+
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    for step in (clipped, accumulated):
+        assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1)
+    with pytest.raises(
+        ValueError, match=r"calls it inside scan \(at .*test_features.* accumulating gradients"
+    ):
+        autopar.autoparallel(accumulated, num_stages=2, num_microbatches=2)(state, batches[0])
 
 
 def test_plain_jax_grad_runs_with_one_microbatch_and_errors_with_more():
@@ -324,9 +606,22 @@ def test_donated_state_is_reused_and_survives_a_failing_call():
     assert not any(x.is_deleted() for x in params_before)
     s2, _ = par(s1, batches[1])
     assert all(x.is_deleted() for x in params_before)  # donated to the new parameters
+    # Passing the donated state again is an error naming a leaf (XLA would crash), raised
+    # before anything runs: s2 stays valid.
+    with pytest.raises(ValueError, match=r"Argument \[0\]\.\S+ is a deleted array"):
+        par(s1, batches[2])
     s3, _ = par(s2, batches[2])
     for a, b in zip(jax.tree.leaves(s3), jax.tree.leaves(s_ref), strict=True):
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["adamw"])
+
+    # One array donated twice (a state holding s3 twice), as jit refuses it.
+    def train_first(pair, batch):
+        return (step(pair[0], batch)[0], pair[1]), 0.0
+
+    with pytest.raises(ValueError, match=r"\[0\]\[1\]\S* are the same array, and donate_argnums donates"):
+        autopar.autoparallel(train_first, num_stages=2, num_microbatches=2, donate_argnums=0)(
+            (s3, s3), batches[0]
+        )
 
 
 def test_donated_state_the_step_returns_unchanged_stays_alive():
@@ -404,6 +699,156 @@ def test_arguments_and_constants_passed_through_come_back_as_arrays_like_jit():
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_weak_typed_arguments_promote_as_under_jit_and_a_loop_keeps_one_program():
+    # A Python float learning rate times bfloat16 gradients stays bfloat16 (a float32 array
+    # would make float32 parameters); TrainState.step starts as a Python int and comes back
+    # weak, as from jit, so the next call reuses the program.
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    state = state.replace(params=jax.tree.map(lambda p: p.astype(jnp.bfloat16), state.params))
+    assert isinstance(state.step, int)
+
+    def step(state, batch, lr):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"].astype(jnp.bfloat16))
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return loss, 2 * lr  # a weak aux output, averaged over microbatches: still weak
+
+        (loss, twice), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        params = jax.tree.map(lambda p, g: p - lr * g, state.params, grads)
+        return state.replace(params=params, step=state.step + 1), (loss, twice)
+
+    par, s_par, s_ref = autopar.autoparallel(step, num_stages=2, num_microbatches=2), state, state
+    for i in range(3):
+        batch = train.make_batch("mlp", config, BATCH, seed=i)
+        (s_par, loss_par), (s_ref, loss_ref) = par(s_par, batch, 0.1), jax.jit(step)(s_ref, batch, 0.1)
+        for a, b in zip(jax.tree.leaves((s_par, loss_par)), jax.tree.leaves((s_ref, loss_ref)), strict=True):
+            assert (a.dtype, a.weak_type) == (b.dtype, b.weak_type)
+            np.testing.assert_allclose(as_numpy(a), as_numpy(b), rtol=1e-2, atol=1e-2)  # bfloat16
+    assert len(par._cache) == 1
+    assert jax.tree.leaves(s_par.params)[0].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("num_stages", [1, "auto"])
+def test_a_loss_without_matmuls_is_one_layer(num_stages):
+    # Matrix factorisation: embedding lookups and elementwise products, nothing to cut between.
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = {"users": jax.random.normal(keys[0], (10, 4)), "items": jax.random.normal(keys[1], (12, 4))}
+
+    def step(params, batch):
+        def loss_fn(p):
+            score = jnp.sum(p["users"][batch["u"]] * p["items"][batch["i"]], -1)
+            return jnp.mean((score - batch["r"]) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    batches = [
+        {
+            "u": jax.random.randint(jax.random.fold_in(keys[2], i), (BATCH,), 0, 10),
+            "i": jax.random.randint(jax.random.fold_in(keys[3], i), (BATCH,), 0, 12),
+            "r": jax.random.normal(jax.random.fold_in(keys[4], i), (BATCH,)),
+        }
+        for i in range(3)
+    ]
+    par = assert_same_as_jit(
+        step, params, batches, TOLERANCES["sgd"], num_stages=num_stages, num_microbatches=2
+    )
+    assert par.plan(params, batches[0]).num_layers == 1
+
+
+def test_an_empty_batch_is_an_error():
+    step, state, batch = _mlp_step()
+    with pytest.raises(ValueError, match=r"The batch is empty: argument 1\['x'\] has 0 rows"):
+        autopar.autoparallel(step, num_stages=1)(state, {k: v[:0] for k, v in batch.items()})
+
+
+def test_nnx_rngs_passed_to_the_loss_function_is_updated_as_by_nnx_value_and_grad():
+    class Net(nnx.Module):
+        def __init__(self):
+            self.a, self.b = nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.Linear(16, 4, rngs=nnx.Rngs(1))
+            self.drop = nnx.Dropout(0.3)
+
+        def __call__(self, x, rngs):
+            return self.b(self.drop(jax.nn.relu(self.a(x)), rngs=rngs))
+
+    graphdef, state = nnx.split((Net(), nnx.Rngs(dropout=7)))
+
+    def step(state, batch):
+        model, rngs = nnx.merge(graphdef, state)
+        loss_fn = lambda m, r: jnp.mean((m(batch["x"], r) - batch["y"]) ** 2)  # noqa: E731
+        loss, grads = autopar.value_and_grad(loss_fn)(model, rngs)  # rngs: not differentiated
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param), grads))
+        return nnx.state((model, rngs)), loss
+
+    batches = [{"x": jnp.full((BATCH, 8), i + 1.0), "y": jnp.zeros((BATCH, 4))} for i in range(3)]
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    out = autopar.autoparallel(step, num_stages=2, num_microbatches=1)(state, batches[0])[0]
+    assert int(out[1]["dropout"]["count"].get_value()) == 1  # the stream advanced once, as under jit
+
+
+def test_nnx_objects_shared_between_arguments_stay_shared_as_in_nnx_value_and_grad():
+    # A teacher keeps the nnx.Rngs that is passed as well: one stream, advanced twice.
+    class Teacher(nnx.Module):
+        def __init__(self, rngs):
+            self.lin, self.rngs = nnx.Linear(8, 4, rngs=nnx.Rngs(2)), rngs
+
+        def __call__(self, x):
+            return self.lin(x) + 0.01 * jax.random.normal(self.rngs.noise(), (4,))
+
+    rngs = nnx.Rngs(noise=5)
+    student = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 4, rngs=nnx.Rngs(1)))
+    graphdef, state = nnx.split((student, Teacher(rngs), rngs))
+
+    def stepping(value_and_grad):
+        def step(state, batch):
+            student, teacher, rngs = nnx.merge(graphdef, state)
+
+            def loss_fn(s, t, r):
+                noise = 0.01 * jax.random.normal(r.noise(), (4,))
+                return jnp.mean((s(batch["x"]) - t(batch["x"]) - noise) ** 2)
+
+            loss, grads = value_and_grad(loss_fn)(student, teacher, rngs)
+            nnx.update(student, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(student, nnx.Param), grads))
+            return nnx.state((student, teacher, rngs)), loss
+
+        return step
+
+    batch = {"x": jax.random.normal(jax.random.key(3), (BATCH, 8))}
+    out = autopar.autoparallel(stepping(autopar.value_and_grad), num_stages=2)(state, batch)
+    ref = jax.jit(stepping(nnx.value_and_grad))(state, batch)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+    assert int(out[0][1]["rngs"]["noise"]["count"].get_value()) == 2  # the teacher holds the stream
+
+
+def test_nnx_diff_state_argnums_is_a_clear_error():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    grad = autopar.value_and_grad(lambda m: m(jnp.ones((1, 2))).sum(), argnums=nnx.DiffState(0, nnx.Param))
+    with pytest.raises(ValueError, match=r"argnums must be an int or a sequence of ints, got DiffState"):
+        grad(model)
+
+
 def test_donate_and_batch_argnums_must_not_overlap():
     with pytest.raises(ValueError, match="overlaps batch_argnums"):
         autopar.autoparallel(lambda s, b: s, donate_argnums=(1,))
+    step, state, batch = _mlp_step()
+    with pytest.raises(ValueError, match=r"donate_argnums=\(-1,\) and batch_argnums=\(1,\) name the same"):
+        autopar.autoparallel(step, donate_argnums=-1)(state, batch)
+
+
+def test_calls_inside_transformations_or_with_shapes_only_are_errors():
+    step, state, batch = _mlp_step()
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=2, cluster="1x8xV100")
+    assert par.options.cluster == autopar.parse_cluster("1x8xV100")
+    inside = "step, decorated with autopar.autoparallel, was called inside a JAX transformation"
+    with pytest.raises(ValueError, match=inside):
+        jax.jit(par)(state, batch)
+    with pytest.raises(ValueError, match=inside):
+        jax.grad(lambda p: par(state.replace(params=p), batch)[1])(state.params)
+    shapes = jax.eval_shape(lambda: state)
+    with pytest.raises(
+        ValueError, match=r"Argument \[0\]\.\S+ is a jax.ShapeDtypeStruct: running the step needs"
+    ):
+        par(shapes, batch)
+    assert par.plan(shapes, batch) is par.plan(state, batch)  # planning from shapes is fine

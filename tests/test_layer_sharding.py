@@ -168,7 +168,7 @@ def test_megatron_rules_split_wide_resnet_and_experts_and_run_like_jit(kind):
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
 
 
-@pytest.mark.parametrize("kind", ["wresnet", "moe"])
+@pytest.mark.parametrize("kind", [pytest.param("wresnet", marks=pytest.mark.slow), "moe"])  # wresnet ~20 s
 def test_no_layout_beats_one_device_over_the_device_count(kind):
     # The plan-quality bound (benchmarks/_plan_ilp.step_bound) rests on this: a layer on n
     # devices, free or pinned, costs at least its one-device cost over n.

@@ -1,6 +1,7 @@
 """The memory model against the compiled program's per-device peak."""
 
 import dataclasses
+import re
 
 import optax
 import pytest
@@ -62,6 +63,7 @@ def test_gpipe_holds_more_activations_than_1f1b():
     assert peaks["gpipe"][1] > peaks["1f1b"][1]
 
 
+@pytest.mark.slow  # ~75 s: two plans, three steps and two compiled programs checked
 def test_tight_stage_layouts_fit_the_device_with_their_stashes():
     # On a (1, 4) mesh with room, the ILP keeps tiny GPT's attention activations whole (fewer
     # collectives), so the 2 and 1 microbatches in flight stash 4x what the memory model's
@@ -140,6 +142,18 @@ def test_a_stage_whose_transients_fill_the_device_is_named_before_the_ilp(monkey
     with pytest.raises(autopar.NoLayoutFitsError, match=message) as raised:
         par.plan(state, batch)
     assert raised.value.least >= raised.value.budget > 0
+
+
+def test_a_stage_with_no_layout_names_its_largest_parameters_and_values():
+    step, state, batch, spec = _tiny_gpt_on(1.2)
+    par = autopar.autoparallel(step, cluster=spec, num_stages=1, mesh_shape=(1, 8), num_microbatches=4)
+    with pytest.raises(autopar.NoLayoutFitsError, match=r"stage 0 \(layers .*\) has no layout") as raised:
+        par.plan(state, batch)
+    message = str(raised.value)
+    # Inputs by the step's argument paths, values by their source lines, with their sizes.
+    assert re.search(r"inputs [\d.]+ KiB \(largest: \[0\]\.params\['block_\d'\]\S* float32\[", message)
+    assert re.search(r"values it makes [\d.]+ KiB \(largest: \w+ float32\[4,.*models/gpt\.py:\d+", message)
+    assert raised.value.least > raised.value.budget > 0
 
 
 @pytest.mark.slow  # ~65 s: each search's plan is laid out and compiled

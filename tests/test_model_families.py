@@ -39,8 +39,8 @@ def test_family_equals_jit(kind, num_stages, num_mb):
         ("bert", "linen", {}, 2, "adamw"),
         ("wresnet", "linen", {}, 1, "sgd"),
         ("moe", "linen", {}, 1, "adamw"),
-        ("gpt", "linen", {"remat": True}, 2, "adamw"),
-        ("gpt", "linen", {"scan_layers": True}, 2, "adamw"),
+        pytest.param("gpt", "linen", {"remat": True}, 2, "adamw", marks=pytest.mark.slow),  # ~18 s
+        pytest.param("gpt", "linen", {"scan_layers": True}, 2, "adamw", marks=pytest.mark.slow),  # ~17 s
         ("gpt", "nnx", {}, 2, "adamw"),
     ],
 )

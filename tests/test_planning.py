@@ -67,6 +67,7 @@ def test_auto_plan_keeps_the_fastest_automatic_clustering(monkeypatch):
     assert len(plan.cuts) + 1 == fastest and plan.predicted_step_time == each[fastest]
 
 
+@pytest.mark.slow  # ~30 s: every automatic clustering is planned
 def test_auto_plan_runs_a_later_clustering_when_it_is_faster(monkeypatch):
     # The finest clustering first: its 3 layers plan slower under the sharding ILP's costs than
     # the 2 of the second, so the plan and the step that runs come from the second trace.
@@ -85,8 +86,10 @@ def test_auto_plan_runs_a_later_clustering_when_it_is_faster(monkeypatch):
     assert plan.predicted_step_time < finest.predicted_step_time
 
 
-# With the sharding ILP each of tiny GPT's three automatic clusterings is priced (~90 s).
-@pytest.mark.parametrize("sharding", ["data", pytest.param("auto", marks=pytest.mark.slow)])
+# ~25 s with "data"; with the sharding ILP each of tiny GPT's three automatic clusterings is
+# priced (~90 s).
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["data", "auto"])
 def test_tight_memory_makes_a_plan_that_fits_and_equals_jit(sharding):
     config = train.tiny_config("gpt", num_layers=4)
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())

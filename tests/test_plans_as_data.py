@@ -15,6 +15,7 @@ from autopar._src import timeline
 from models import train
 
 
+@pytest.mark.slow  # ~26 s: a subprocess plans gpt-small
 def test_cli_plan_writes_json_that_round_trips_and_a_timeline(tmp_path, capsys):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
     status = main(

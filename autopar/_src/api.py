@@ -13,7 +13,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import autoplan, build, driver, schedule
+from autopar._src import autoplan, build, compat, driver, schedule
 from autopar._src.cluster import ClusterSpec, parse_cluster
 from autopar._src.plan import Plan
 
@@ -36,8 +36,9 @@ class Options:
     """A plan to reuse instead of planning."""
     donate_argnums: tuple[int, ...] = ()
     """Positional arguments whose buffers the step may reuse for its outputs."""
-    cluster: ClusterSpec | None = None
-    """Cluster the stage search plans for (default: a preset matching ``devices``)."""
+    cluster: ClusterSpec | str | None = None
+    """Cluster the stage search plans for, or its string (``"1x8xH100"``; default: a preset
+    matching ``devices``)."""
     cost_model: Literal["analytic", "measured"] = "analytic"
     """Stage times estimated from FLOPs and links, or compiled and timed on the devices."""
     cost_cache: str | None = None
@@ -87,8 +88,17 @@ class Options:
             )
         if self.cost_model not in ("analytic", "measured"):
             raise ValueError(f"cost_model={self.cost_model!r} is not one of ('analytic', 'measured')")
-        if self.devices is not None and len(self.devices) == 0:
-            raise ValueError("devices is empty; pass at least one device or leave it as None")
+        if self.cluster is not None:
+            object.__setattr__(self, "cluster", _as_cluster(self.cluster))
+        if self.devices is not None:
+            if len(self.devices) == 0:
+                raise ValueError("devices is empty; pass at least one device or leave it as None")
+            bad = [d for d in self.devices if not isinstance(d, jax.Device)]
+            if bad:
+                raise ValueError(f"devices must be jax devices (e.g. jax.devices()[:4]), got {bad[0]!r}")
+            if len(set(self.devices)) != len(self.devices):
+                twice = sorted({d.id for d in self.devices if self.devices.count(d) > 1})
+                raise ValueError(f"devices lists device ids {twice} more than once; list each device once")
         if self.sharding not in ("auto", "data"):
             raise ValueError(f"sharding={self.sharding!r} is not one of ('auto', 'data')")
         if self.mesh_shape is not None:
@@ -124,7 +134,7 @@ def autoparallel(
     schedule: schedule.ScheduleName = "1f1b",
     plan: Plan | None = None,
     donate_argnums: int | Sequence[int] = (),
-    cluster: ClusterSpec | None = None,
+    cluster: ClusterSpec | str | None = None,
     cost_model: Literal["analytic", "measured"] = "analytic",
     cost_cache: str | None = None,
     sharding: Literal["auto", "data"] = "auto",
@@ -197,7 +207,7 @@ class AutoParallel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args = self._positional(args, kwargs)
         exe = self._executable(args)
-        leaves = jax.tree.leaves(args)
+        leaves = _live_leaves(exe, args)
         return jax.tree.unflatten(exe.step.out_tree, exe(leaves))
 
     def timed(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[tuple[int, str], float]]:
@@ -210,7 +220,7 @@ class AutoParallel:
         args = self._positional(args, kwargs)
         exe = self._executable(args)
         times: list[float] = []
-        out = jax.tree.unflatten(exe.step.out_tree, exe(jax.tree.leaves(args), task_times=times))
+        out = jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, args), task_times=times))
         per_task: dict[tuple[int, str], list[float]] = {}
         for task, seconds in zip(exe.program.tasks, times, strict=True):
             match = re.fullmatch(r"([FB])\d+\.\d+", task.label)
@@ -245,19 +255,71 @@ class AutoParallel:
 
     def _executable(self, args: tuple[Any, ...]) -> driver.Executable:
         leaves, in_tree = jax.tree.flatten(args)
+        if any(compat.is_tracer(x) for x in leaves):
+            raise ValueError(
+                f"{getattr(self.fn, '__name__', 'The step')}, decorated with autopar.autoparallel, was "
+                "called inside a JAX transformation (jax.jit, vmap, grad, scan, ...), with traced "
+                "arguments: it runs its own pipeline of compiled tasks on the devices, so call it "
+                "from Python, outside any transformation."
+            )
         key = (in_tree, tuple(_aval_key(x) for x in leaves))
         if key not in self._cache:
             self._cache[key] = build.executable(self.fn, args, self.options)
         return self._cache[key]
 
 
+def _as_cluster(cluster: Any) -> ClusterSpec:
+    if isinstance(cluster, str):
+        return parse_cluster(cluster)
+    if not isinstance(cluster, ClusterSpec):
+        raise ValueError(
+            f"cluster must be an autopar.ClusterSpec or a string such as '2x8xH100', got {cluster!r}"
+        )
+    return cluster
+
+
+def _live_leaves(exe: driver.Executable, args: tuple[Any, ...]) -> list[Any]:
+    """The arguments' leaves, checked before anything is dispatched: no shapes without values,
+    none deleted (e.g. donated to an earlier call) and no array donated twice (XLA would crash
+    on either).
+
+    Raises:
+      ValueError: naming the leaf's path.
+    """
+    leaves = jax.tree.leaves(args)
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise ValueError(
+                f"Argument {exe.step.input_paths()[i]} is a jax.ShapeDtypeStruct: running the step "
+                "needs arrays. For a plan from shapes alone use the step's .plan(...) or autopar.plan_step."
+            )
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise ValueError(
+                f"Argument {exe.step.input_paths()[i]} is a deleted array (donated to an earlier call, "
+                "or deleted): pass the arrays the previous step returned instead."
+            )
+    first: dict[int, int] = {}
+    for i in exe.donated_leaf_ids:
+        if isinstance(leaves[i], jax.Array) and first.setdefault(id(leaves[i]), i) != i:
+            paths = exe.step.input_paths()
+            raise ValueError(
+                f"Arguments {paths[first[id(leaves[i])]]} and {paths[i]} are the same array, and "
+                "donate_argnums donates it twice; pass a copy for one of them (e.g. jnp.copy)."
+            )
+    return leaves
+
+
 def _aval_key(x: Any) -> Any:
-    # Weak types are dropped: a Python scalar and the array a step returns for it
-    # (e.g. TrainState.step) share one compiled program.
-    if isinstance(x, jax.Array | np.ndarray):
-        return (x.shape, x.dtype)
+    # Weak types count, as for jax.jit: a Python float times bfloat16 is bfloat16, a float32
+    # array times bfloat16 float32. The step returns a weak value weak (e.g. TrainState.step
+    # from a Python int), so a training loop keeps one program.
+    if isinstance(x, np.ndarray):
+        return (x.shape, x.dtype, False)
+    if isinstance(x, jax.Array):  # the common case, per leaf and call: no aval built
+        # Typed key arrays have no weak_type attribute; a key is never weak.
+        return (x.shape, x.dtype, getattr(x, "weak_type", False))
     aval = jax.typeof(x)
-    return (tuple(aval.shape), aval.dtype)
+    return (tuple(aval.shape), aval.dtype, aval.weak_type)
 
 
 def plan_step(
@@ -292,12 +354,7 @@ def plan_step(
     """
     if isinstance(fn, AutoParallel):  # the decorated step: plan the step it wraps
         fn = fn.fn
-    if isinstance(cluster, str):
-        cluster = parse_cluster(cluster)
-    elif not isinstance(cluster, ClusterSpec):
-        raise ValueError(
-            f"cluster must be an autopar.ClusterSpec or a string such as '2x8xH100', got {cluster!r}"
-        )
+    cluster = _as_cluster(cluster)
     argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
     Options(num_microbatches=num_microbatches, batch_argnums=argnums, schedule=schedule)
     nmb = 1 if num_microbatches == "auto" else num_microbatches

@@ -4,19 +4,30 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from autopar._src import autoplan, driver, intra_op, memory, partition, planner, planning, profile
+from autopar._src import (
+    autoplan,
+    driver,
+    intra_op,
+    memory,
+    microbatch_keys,
+    partition,
+    planner,
+    planning,
+    profile,
+)
 from autopar._src.cluster import ClusterSpec
 from autopar._src.plan import Plan
 from autopar._src.profile import LayerProfile
 from autopar._src.program import Program
 from autopar._src.sharding_ilp import NoLayoutFitsError
-from autopar._src.trace import TracedStep
+from autopar._src.trace import TracedStep, TraceOptions
 
 if TYPE_CHECKING:
     from autopar._src.api import Options
@@ -47,9 +58,19 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
     batch_ids, batch_size = batch_leaves(
         args, opts.batch_argnums, 1 if nmb == "auto" else nmb, planned=opts.plan is not None
     )
+    both = set(_leaf_ids(args, opts.donate_argnums)) & set(batch_ids)
+    if both:
+        raise ValueError(
+            f"donate_argnums={opts.donate_argnums} and batch_argnums={opts.batch_argnums} name the same "
+            f"argument of the {len(args)} given; the batch is split into microbatches and cannot be donated"
+        )
     spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
     searched = spec  # the cluster the stage search plans for
     failed: NoLayoutFitsError | None = None
+    # The step at the whole batch, once (see planning.per_example_outputs).
+    whole_batch = functools.cache(
+        lambda: planning.trace_at(fn, args, batch_ids, batch_size, TraceOptions(num_layers=1))
+    )
     for attempt in range(MEMORY_REPLANS + 1):
         try:
             step, plan = _plan(fn, args, opts, searched, devices, batch_ids, batch_size)
@@ -57,12 +78,14 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             if failed is None:
                 raise
             raise failed from e  # no plan for the smaller device: the stage's error is the cause
-        planning.require_batch_reduced_aux(
-            fn, args, step, batch_ids=batch_ids, batch_size=batch_size, num_microbatches=plan.num_microbatches
+        per_example = planning.per_example_outputs(
+            step, whole_batch, batch_ids=batch_ids, num_microbatches=plan.num_microbatches
         )
+        multi = plan.num_microbatches > 1 and step.region_index() is not None
+        drawing = microbatch_keys.drawing_per_example(step, whole_batch()) if multi else frozenset()
         meshes = driver.stage_meshes(plan, devices)
         mb = batch_size // plan.num_microbatches if batch_size else 0
-        program = partition.build_program(step, plan, batch_ids, mb)
+        program = partition.build_program(step, plan, batch_ids, mb, per_example, drawing)
         # The memory model's parts of each layer (none for a step without autopar's gradient).
         prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None
         try:
@@ -277,6 +300,8 @@ def batch_leaves(
             f"Batch leaves disagree on the batch size: {sorted(sizes)} (e.g. {list(sizes.values())}); "
             "every leaf of the batch arguments needs the same leading dim."
         )
+    if 0 in sizes:
+        raise ValueError(f"The batch is empty: {sizes[0]} has 0 rows; pass at least one example.")
     size = next(iter(sizes), 0)
     if size and size % nmb:
         fix = (

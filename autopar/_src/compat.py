@@ -16,7 +16,7 @@ import jax
 import jax.extend.core as jcore
 from jax.extend import source_info_util
 from jax.extend.core import primitives as jprims
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 
 Var = jcore.Var
 Literal = jcore.Literal
@@ -26,6 +26,18 @@ JaxprEqn = jcore.JaxprEqn
 
 # Primitive names of a nested ``jax.jit`` call inside a jaxpr.
 _CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
+def weakly_typed(x: Any) -> Any:
+    """``x`` with a weak type (as a Python scalar's), which no public API makes from an array."""
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, weak_type=True)
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether ``x`` is a value being traced by a JAX transformation."""
+    return isinstance(x, jax.core.Tracer)
 
 
 def jaxpr_and_consts(closed: Any) -> tuple[Any, list[Any]]:
@@ -70,6 +82,11 @@ def sub_jaxprs(eqn: Any) -> list[Any]:
         elif hasattr(getattr(value, "jaxpr", None), "eqns"):
             found.append(value.jaxpr)
     return found
+
+
+def bodies(eqn: Any) -> list[Any]:
+    """Every open jaxpr inside ``eqn``: :func:`sub_jaxprs` and a ``cond``'s branches."""
+    return sub_jaxprs(eqn) + [b for b, _ in cond_branches(eqn) or ()]
 
 
 def cond_branches(eqn: Any) -> list[tuple[Any, list[Any]]] | None:
@@ -256,10 +273,24 @@ def register_identity_rules(
     jvp: Callable[..., Any],
     transpose: Callable[..., Any],
 ) -> None:
-    """Registers JVP, transpose and an identity MLIR lowering for ``prim``."""
+    """Registers JVP, transpose, batching (identity on the batched values) and an identity MLIR
+    lowering for ``prim``."""
     ad.primitive_jvps[prim] = jvp
     ad.primitive_transposes[prim] = transpose
+    batching.primitive_batchers[prim] = lambda args, dims, **params: (prim.bind(*args, **params), dims)
     mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))
+
+
+def register_batching_from_fun(prim: Primitive, fun: Callable[..., Any]) -> None:
+    """Batches ``prim`` (with multiple results) by ``jax.vmap`` of the Python function ``fun``,
+    which computes it from its operands and params: under ``vmap`` the primitive is replaced by
+    what ``fun`` binds."""
+
+    def rule(args: Sequence[Any], dims: Sequence[int | None], **params: Any) -> tuple[list[Any], list[int]]:
+        outs = jax.vmap(lambda *a: fun(*a, **params), in_axes=tuple(dims))(*args)
+        return list(outs), [0] * len(outs)
+
+    batching.primitive_batchers[prim] = rule
 
 
 def register_lowering_from_fun(prim: Primitive, fun: Callable[..., Any]) -> None:

@@ -201,7 +201,9 @@ class Executable:
         aval = key[0].aval
         stacked = self.deferred[stage].accumulators.get(key[0]) if _is_accumulator(key) else None
         shape = tuple(aval.shape) if stacked is None else stacked.shape(aval.shape, self.meshes[stage])
-        return jax.ShapeDtypeStruct(shape, aval.dtype, sharding=self.sharding(key, stage))
+        return jax.ShapeDtypeStruct(
+            shape, aval.dtype, sharding=self.sharding(key, stage), weak_type=aval.weak_type
+        )
 
     def abstract_inputs(self, task_index: int) -> list[jax.ShapeDtypeStruct]:
         """:meth:`abstract` of every input of a task: what its executable is lowered for."""
@@ -240,7 +242,7 @@ class Executable:
                         self._placed_consts[loc] = jax.device_put(self._consts[var], self.sharding(key, s))
                     env[loc] = self._placed_consts[loc]
                 elif tag is None or nmb == 1:
-                    leaf = _strongly_typed(leaves[self._arg_index[var]])
+                    leaf = leaves[self._arg_index[var]]
                     target = self._shardings[(key, s)]
                     if isinstance(leaf, jax.Array) and leaf.sharding == target:
                         env[(key, s)] = leaf  # already in place: the state a step returned
@@ -305,14 +307,6 @@ class Executable:
         value = self._consts[var] if var in self._consts else leaves[self._arg_index[var]]
         # As jit returns them: an argument or constant passed through comes back as an array.
         return value if isinstance(value, jax.Array) else jnp.asarray(value)
-
-
-def _strongly_typed(x: Any) -> Any:
-    """``x`` without a weak type (steps are traced with strong types)."""
-    if isinstance(x, np.ndarray) or (isinstance(x, jax.Array) and not getattr(x, "weak_type", False)):
-        return x
-    aval = jax.typeof(x)
-    return np.asarray(x, dtype=aval.dtype) if aval.weak_type else x
 
 
 def _is_accumulator(key: Key) -> bool:

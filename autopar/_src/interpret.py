@@ -15,9 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from autopar._src import compat, deferred
+from autopar._src import compat, deferred, microbatch_keys
 from autopar._src.expansion import expandable_branches
 from autopar._src.program import Key, Op, Task
 from autopar._src.strategy_graph import Inner
@@ -30,6 +31,9 @@ def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh |
         return vals[0] + vals[1]
     if op.mode == "mean":
         return deferred.finish(vals[0], stacked) / op.divisor
+    if op.mode == "concat":
+        joined = jnp.concatenate(vals, axis=op.axis)
+        return joined if op.divisor == 1 else joined / op.divisor
     return vals[0]
 
 
@@ -105,8 +109,12 @@ def task_fn(
         for op in ops:
             vals = [read(a) for a in op.ins]
             var = op.outs[0][0] if op.outs and op.outs[0] is not None else None
-            if op.kind == "acc":
+            if op.kind == "acc" and op.mode == "fold":
+                outs = microbatch_keys.fold(vals[0], len(op.outs), op.key_impl)
+            elif op.kind == "acc":
                 outs = [_acc(op, vals, sums.accumulators.get(var), mesh)]
+                if var.aval.weak_type:  # sums start from strong zeros; the step's value is weak
+                    outs = [compat.weakly_typed(outs[0])]
             elif var in sums.values and deferred.made_stacked(op.eqn):
                 stacked = sums.values[var]
                 outs = [deferred.bind(op.eqn, vals, stacked, stacked.base(pins[op.outs[0]].spec), mesh)]

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +28,7 @@ from autopar._src.layout_costs import MeshSpec
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.program import Program
 from autopar._src.sharding_ilp import NoLayoutFitsError, total_memory
+from autopar._src.stage_problem import format_bytes
 from autopar._src.stage_values import (
     alias_root,
     charged,
@@ -170,6 +171,7 @@ def solve_stage(
     carried: dict[Any, Any] | None = None,
     fixed: dict[Any, Spec] | None = None,
     count_held: bool = False,
+    names: Mapping[Any, str] | None = None,
 ) -> StageSharding:
     """Solves the sharding ILP of ``stage`` on ``mesh``.
 
@@ -185,9 +187,11 @@ def solve_stage(
     ``carried`` (see :func:`carried_state`) ties the step's new state to the state it
     replaces, so that they are laid out alike. ``fixed`` gives some inputs a layout
     (e.g. a hand-written plan's parameter shardings); the ILP lays out the rest around them.
+    ``names`` names inputs (parameter paths) in errors.
 
     Raises:
-      NoLayoutFitsError: if no layout fits ``memory_budget`` (a ``ValueError``).
+      NoLayoutFitsError: if no layout fits ``memory_budget`` (a ``ValueError``), naming the
+        values that take the most memory.
       ValueError: if a ``fixed`` layout is not one the input can take on ``mesh``.
     """
     start = time.perf_counter()
@@ -213,7 +217,16 @@ def solve_stage(
     ]
     runs = Counter(c.root for c in chains)  # one chain per microbatch's task
     nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
-    solution, groups = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)
+    try:
+        solution, groups = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)
+    except NoLayoutFitsError as e:
+        raise NoLayoutFitsError(
+            f"no layout fits memory_budget={format_bytes(e.budget)} per device: with every value on its "
+            f"smallest layout it needs at least {format_bytes(e.least)}. "
+            f"{_largest_values(nodes, producer, ops, made, names or {})}",
+            budget=e.budget,
+            least=e.least,
+        ) from None
     specs = {
         name: nodes[i].strategies[solution.choices[i]].output_specs[k] for name, (i, k) in producer.items()
     }
@@ -258,6 +271,39 @@ def solve_stage(
     )
 
 
+def _largest_values(
+    nodes: Sequence[Any],
+    producer: Mapping[Any, tuple[int, int]],
+    ops: Sequence[GraphOp],
+    made: set[Any],
+    names: Mapping[Any, str],
+) -> str:
+    """Where a stage's least memory goes: its inputs and the values it makes (with the copies
+    it holds for microbatches in flight), each total with its three largest."""
+    least = [min(s.memory_bytes for s in n.strategies) for n in nodes]
+    op_of = {producer[v][0]: op for op in ops for v in op.outs if v is not None and v in producer}
+    parts: dict[str, list[tuple[float, str]]] = {"inputs": [], "values it makes": []}
+    for v, (i, _) in producer.items():
+        if v in made:
+            continue
+        name = names.get(v) or f"a value from another stage or a constant, {v.aval.str_short()}"
+        parts["inputs"].append((least[i], name if v not in names else f"{name} {v.aval.str_short()}"))
+    for i, op in op_of.items():
+        out = next(v for v in op.outs if v is not None)
+        where = compat.source_line(op.eqn)
+        parts["values it makes"].append(
+            (least[i], f"{op.eqn.primitive.name} {out.aval.str_short()} at {where}")
+        )
+    texts = []
+    for kind, items in parts.items():
+        items.sort(key=lambda x: -x[0])
+        top = "; ".join(f"{name}: {format_bytes(b)}" for b, name in items[:3] if b > 0)
+        texts.append(
+            f"{kind} {format_bytes(sum(b for b, _ in items))}" + (f" (largest: {top})" if top else "")
+        )
+    return "Per device: " + ", ".join(texts) + "."
+
+
 def carried_state(step: TracedStep) -> dict[Any, Any]:
     """Output var -> the input var it replaces at the next step.
 
@@ -294,6 +340,7 @@ def solve_stages(
     ``memory_budget`` is one for every stage or a sequence of one per stage."""
     result: list[StageSharding | None] = []
     carried = carried_state(step)
+    names = dict(zip(step.arg_vars, step.input_paths(), strict=True))
     if isinstance(memory_budget, Sequence) and len(memory_budget) != plan.num_stages:
         raise ValueError(f"{len(memory_budget)} memory budgets for {plan.num_stages} stages")
     for i, st in enumerate(plan.stages):
@@ -309,6 +356,7 @@ def solve_stages(
                 time_limit=time_limit,
                 carried=carried,
                 count_held=True,
+                names=names,
             )
         except NoLayoutFitsError as e:
             raise NoLayoutFitsError(

@@ -145,6 +145,8 @@ def choose_cuts(
     """
     flops = np.array([cost.eqn_flops(e) for e in jaxpr.eqns], dtype=np.float64)
     heavy = int(np.count_nonzero(flops))
+    if heavy == 0 and num_layers in (None, 1):  # e.g. embeddings and elementwise work: one layer
+        return (), (0.0,), ()
     if num_layers is not None and (num_layers < 1 or heavy < num_layers):
         raise ValueError(
             f"The loss function has {heavy} heavy operations (matmuls/convolutions) that can be cut "

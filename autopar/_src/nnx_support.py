@@ -11,11 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from flax import nnx
 
 
 def _is_graph(x: Any) -> bool:
     return isinstance(x, nnx.Module)
+
+
+def _is_nnx(x: Any) -> bool:
+    return isinstance(x, nnx.Module | nnx.Pytree)
 
 
 def call_value_and_grad(
@@ -25,27 +30,61 @@ def call_value_and_grad(
     has_aux: bool,
     args: tuple[Any, ...],
 ) -> Any:
-    """Calls ``inner(fun, argnums, has_aux, args)``, adapting NNX module arguments."""
+    """Calls ``inner(fun, argnums, has_aux, args)``, adapting NNX module arguments.
+
+    Raises:
+      ValueError: if ``argnums`` is not an int or a sequence of ints (e.g. ``nnx.DiffState``).
+    """
+    ints = isinstance(argnums, int) or (
+        isinstance(argnums, Sequence) and all(isinstance(a, int) for a in argnums)
+    )
+    if not ints:
+        raise ValueError(
+            f"argnums must be an int or a sequence of ints, got {argnums!r}. To differentiate part of a "
+            "module's state (nnx.DiffState), split it out with nnx.split(model, nnx.LoRAParam, ...), "
+            "differentiate that state and nnx.merge it inside the loss function."
+        )
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     nums = tuple(a % len(args) for a in nums)
     graph = [a for a in nums if _is_graph(args[a])]
-    if not graph:
+    # NNX objects passed but not differentiated (e.g. an nnx.Rngs the loss draws from): their
+    # whole state goes in as an argument and its updates come back, as nnx.value_and_grad does.
+    others = [a for a, x in enumerate(args) if a not in nums and _is_nnx(x)]
+    if not graph and not others:
         return inner(fun, argnums, has_aux, args)
-    splits = {a: nnx.split(args[a], nnx.Param, ...) for a in graph}
+    # One split of all of them, so objects they share stay shared.
+    positions = sorted([*graph, *others])
+    index = {a: k for k, a in enumerate(positions)}
+    diff_at = {index[a] for a in graph}
+
+    def differentiated(path: tuple[Any, ...], x: Any) -> bool:
+        return isinstance(x, nnx.Param) and path[0] in diff_at
+
+    objs = tuple(args[a] for a in positions)
+    graphdef, params, rest = nnx.split(objs, differentiated, ...)
+    for a in graph:
+        own = len(jax.tree.leaves(nnx.state(args[a], nnx.Param)))
+        if own != len(jax.tree.leaves(params.get(index[a], {}))):
+            raise ValueError(
+                f"Argument {a} is differentiated, but some of its nnx.Param state is also reached from "
+                "an earlier argument of the loss function (shared); nnx.value_and_grad refuses such "
+                "aliasing too. Pass the shared module once."
+            )
     pure_args = list(args)
-    for a, (_, params, _) in splits.items():
-        pure_args[a] = params
+    for a in others:
+        pure_args[a] = None  # in ``rest``
+    for a in graph:
+        pure_args[a] = params[index[a]]
 
     def pure(*xs: Any) -> Any:
+        merged = nnx.merge(graphdef, nnx.State({index[a]: xs[a] for a in graph}), rest, copy=True)
         full = list(xs)
-        for a, (graphdef, _, rest) in splits.items():
-            full[a] = nnx.merge(graphdef, xs[a], rest, copy=True)
+        for a, obj in zip(positions, merged, strict=True):
+            full[a] = obj
         out = fun(*full)
         value, aux = out if has_aux else (out, None)
-        updates = {a: nnx.state(full[a], nnx.Not(nnx.Param)) for a in graph}
-        return value, (aux, updates)
+        return value, (aux, nnx.state(merged, nnx.Not(differentiated)))
 
     (value, (aux, updates)), grads = inner(pure, argnums, True, tuple(pure_args))
-    for a, state in updates.items():
-        nnx.update(args[a], state)
+    nnx.update(objs, updates)
     return ((value, aux), grads) if has_aux else (value, grads)

@@ -23,20 +23,18 @@ region output after microbatch ``j``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from autopar._src import compat, cost, layers, schedule
+from autopar._src import compat, cost, layers, microbatch_keys, region_outputs, schedule
 from autopar._src.plan import Plan
 from autopar._src.program import Key, Location, Op, Program, Run, Task, Transfer
 from autopar._src.trace import TracedStep
 
 _WHOLE_BATCH_FIX = (
     "Compute it from the batch outside the step, return it as aux from the loss function "
-    "(has_aux=True; averaged over microbatches), or use num_microbatches=1."
+    "(has_aux=True; averaged over microbatches if reduced over the batch, concatenated if per "
+    "example), or use num_microbatches=1."
 )
 
 
@@ -95,13 +93,26 @@ def _largest_input_stage(eqn: Any, producer_stage: dict[Any, int]) -> int | None
 
 
 def build_program(
-    step: TracedStep, plan: Plan, batch_leaf_ids: Sequence[int], microbatch_size: int
+    step: TracedStep,
+    plan: Plan,
+    batch_leaf_ids: Sequence[int],
+    microbatch_size: int,
+    per_example: Mapping[int, int] | None = None,
+    drawing: frozenset[int] = frozenset(),
 ) -> Program:
     """Partitions a traced step according to ``plan``.
 
+    ``per_example`` maps the region outputs that hold a value per example to their batch dim
+    (:func:`autopar._src.planning.per_example_outputs`): their microbatches' values are
+    concatenated, as one value of the whole batch's shape; the other region outputs are
+    averaged. ``drawing`` (:func:`autopar._src.microbatch_keys.drawing_per_example`) names the
+    region inputs from which the loss draws random values per example: such a PRNG key is
+    folded with each microbatch's index.
+
     Raises:
       ValueError: if an output computed from the batch outside the gradient
-        region would need the whole batch while it is split into microbatches.
+        region would need the whole batch while it is split into microbatches, or the step
+        reads a per-example region output after the gradient.
     """
     jaxpr = step.jaxpr
     eqns = jaxpr.eqns
@@ -141,20 +152,26 @@ def build_program(
 
     stage_ops: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
     acc_specs: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
+    joined: dict[Any, region_outputs.Joined] = {}  # per-example region outputs: their whole-batch value
     producer_stage: dict[Any, int] = {}
     consumer_stages: dict[Any, set[int]] = {}
     rkey = None
+    folded: dict[Any, microbatch_keys.Folded] = {}
     if region_at is not None:
         region = eqns[region_at]
         info = region.params["info"]
         rj = info.jaxpr
         rmap = dict(zip([*rj.constvars, *rj.invars], region.invars, strict=True))
 
+        # With several microbatches each reads its own fold of a once-per-step PRNG key.
+        folded = microbatch_keys.keys_to_fold(rj, rmap, per_mb, drawing) if nmb > 1 else {}
+
         def rkey(a: Any, j: int) -> Any:  # noqa: F811
             if not _is_var(a):
                 return a
             if a in rmap:
-                return okey(rmap[a], j)
+                outer = rmap[a]
+                return (folded[outer].var, j) if _is_var(outer) and outer in folded else okey(outer, j)
             return (a, j)
 
         placement = region_eqn_placement(rj, plan.layer_to_stage())
@@ -167,6 +184,7 @@ def build_program(
                 if a in rmap and _is_var(rmap[a]):
                     consumer_stages.setdefault(rmap[a], set()).add(where[0])
         last_fwd = (plan.num_stages - 1, "F")
+        joined = region_outputs.joined_outputs(step, per_example or {}, nmb)
         for rv, ov in zip(rj.outvars, region.outvars, strict=True):
             if compat.is_dropvar(ov):
                 continue
@@ -236,12 +254,17 @@ def build_program(
     post_groups: dict[tuple[int, int], list[Op]] = {}
     for where, specs in acc_specs.items():
         for _, ov in specs:
-            start, finish = _accumulator_ends(ov, nmb)
+            start, finish = region_outputs.accumulator_ends(ov, nmb, joined.get(ov))
             pre_groups.setdefault((0, where[0]), []).extend(start)
             post_groups.setdefault((0, where[0]), []).extend(finish)
     for i in once:
         groups = pre_groups if region_at is None or i < region_at else post_groups
         groups.setdefault((level[i], stage_of[i]), []).append(outer_op(i, None))
+    for key, f in folded.items():  # on the key's first reader, once the key is made
+        st = min(consumer_stages[key])
+        made = made_by.get(key)
+        lv = 0 if made is None else made[0] + (made[1] != st)
+        pre_groups.setdefault((lv, st), []).append(microbatch_keys.fold_op(key, f, nmb))
 
     def once_tasks(phase: str, groups: dict[tuple[int, int], list[Op]]) -> list[Task]:
         return [
@@ -267,43 +290,14 @@ def build_program(
                     )
                 )
             for rv, ov in acc_specs.get(where, []):
-                ops.append(_accumulate(rkey(rv, j), ov, j, nmb))
+                ops.append(region_outputs.accumulate(rkey(rv, j), ov, j, nmb, ov in joined))
             if ops:
                 tasks.append(Task(stage=t.stage, label=str(t), ops=ops, repeated=nmb > 1))
         tasks += once_tasks("post", post_groups)
 
     tasks = _fuse_adjacent(tasks)
-    output_keys = tuple(okey(a, None) for a in jaxpr.outvars)
+    output_keys = tuple(okey(joined[a].var if _is_var(a) and a in joined else a, None) for a in jaxpr.outvars)
     return _wire(tasks, output_keys, per_mb, microbatch_size)
-
-
-def _is_float(var: Any) -> bool:
-    return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.inexact))
-
-
-def _accumulator_ends(ov: Any, nmb: int) -> tuple[list[Op], list[Op]]:
-    """Once-per-step ops that start (zeros) and finish (mean) a region output's sum."""
-    if nmb == 1:
-        return [], []
-    last = (ov, ("acc", nmb - 1))
-    if not _is_float(ov):
-        return [], [Op(kind="acc", mode="copy", ins=(last,), outs=((ov, None),))]
-    start = Op(kind="acc", mode="zeros", ins=(), outs=((ov, ("acc", -1)),), aval=ov.aval)
-    return [start], [Op(kind="acc", mode="mean", ins=(last,), outs=((ov, None),), divisor=nmb)]
-
-
-def _accumulate(val: Any, ov: Any, j: int, nmb: int) -> Op:
-    """The op that folds microbatch ``j``'s value of a region output into its sum.
-
-    The same op for every microbatch, so all microbatches share one executable.
-    Integers, booleans and keys cannot be averaged: the last microbatch's value is
-    kept.
-    """
-    if nmb == 1:
-        return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, None),))
-    if not _is_float(ov):
-        return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, ("acc", j)),))
-    return Op(kind="acc", mode="add", ins=((ov, ("acc", j - 1)), val), outs=((ov, ("acc", j)),))
 
 
 def _fuse_adjacent(tasks: list[Task]) -> list[Task]:

@@ -17,14 +17,14 @@ from typing import Any
 import jax
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import cost, profile, trace
+from autopar._src import compat, cost, profile, region_outputs, trace
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
 
 
 def _abstract(x: Any, rows: int | None) -> Any:
     aval = jax.typeof(x)
     shape = tuple(aval.shape) if rows is None else (rows, *aval.shape[1:])
-    return jax.ShapeDtypeStruct(shape, aval.dtype)
+    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def trace_at(
@@ -94,50 +94,132 @@ def describe_layouts(
 
 def require_region(step: trace.TracedStep, num_microbatches: int, num_stages: int) -> None:
     if step.region_index() is None and (num_microbatches > 1 or num_stages > 1):
+        nested = _nested_region(step.jaxpr)
+        if nested is not None:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} and num_stages={num_stages} need "
+                "autopar.value_and_grad (or autopar.grad) called once at the top level of the step, "
+                f"but the step calls it inside {nested.primitive.name} (at {compat.source_line(nested)}), "
+                "e.g. a loop accumulating gradients, where it cannot be pipelined. Call it once on the "
+                "whole batch (num_microbatches does the accumulation), or use num_microbatches=1 and "
+                "num_stages=1."
+            )
         raise ValueError(
             f"num_microbatches={num_microbatches} and num_stages={num_stages} need the step to compute "
-            "its gradient with autopar.value_and_grad or autopar.grad (the step has none, e.g. it uses "
-            "jax.grad); switch to autopar's, or use num_microbatches=1 and num_stages=1."
+            "its gradient with autopar.value_and_grad or autopar.grad at the top level of the step (it "
+            "has none there: e.g. it uses jax.grad, or autopar.grad under jax.vmap); switch to "
+            "autopar's on the whole batch, or use num_microbatches=1 and num_stages=1."
         )
 
 
-def require_batch_reduced_aux(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
+def _nested_region(jaxpr: Any) -> Any:
+    """The top-level equation of ``jaxpr`` whose body holds a grad region, if any."""
+    for eqn in jaxpr.eqns:
+        bodies = compat.bodies(eqn)
+        while bodies:
+            body = bodies.pop()
+            if trace.find_regions(body):
+                return eqn
+            for inner in body.eqns:
+                bodies += compat.bodies(inner)
+    return None
+
+
+def per_example_outputs(
     step: trace.TracedStep,
+    whole_batch: Callable[[], trace.TracedStep],
     *,
     batch_ids: Sequence[int],
-    batch_size: int,
     num_microbatches: int,
-) -> None:
-    """Checks that no aux output of the step's gradient has a dim that grows with the batch
-    (a per-example value, such as the logits): microbatches average aux outputs (and keep the
-    last microbatch's integers), which is right only for values reduced over the batch.
+) -> dict[int, int]:
+    """The outputs of the step's gradient region that hold a value per example, each with its
+    batch dim: aux outputs such as the logits, and the gradients of batch inputs. Microbatches
+    concatenate these along it (gradients divided by ``num_microbatches``, as the mean over
+    microbatches is). The other outputs are reduced over the batch, and microbatches average
+    them (integers, booleans and keys: the first microbatch's).
 
-    ``step`` is traced at one microbatch; the step is traced again at the whole batch (only if
-    some aux output is not a scalar) to compare the shapes.
+    ``step`` is traced at one microbatch; with several, ``whole_batch()`` gives the step traced
+    at the whole batch (:func:`trace_at`, any layer count) to compare the outputs' shapes, and
+    the code that runs once per step, which must not depend on the batch's shape.
+
+    Returns:
+      ``{index into the region's outputs: batch dim}``.
 
     Raises:
-      ValueError: naming the first such aux output and both of its shapes.
+      ValueError: naming a region output whose shape for the batch is not its shape for one
+        microbatch with one dim ``num_microbatches`` times as long, or the source line of
+        once-per-step code that reads the batch's shape.
     """
     at = step.region_index()
     if num_microbatches == 1 or at is None:
-        return
+        return {}
+    whole = whole_batch()
     region = step.jaxpr.eqns[at]
     num_aux = region.params["info"].num_aux
-    aux = region.outvars[1 : 1 + num_aux]
-    if not any(v.aval.ndim for v in aux):
-        return
-    whole = trace_at(fn, args, batch_ids, batch_size, trace.TraceOptions(num_layers=1))
-    whole_aux = whole.jaxpr.eqns[whole.region_index()].outvars[1 : 1 + num_aux]
-    for i, (part, full) in enumerate(zip(aux, whole_aux, strict=True)):
-        if part.aval.shape != full.aval.shape:
+    whole_outs = whole.jaxpr.eqns[whole.region_index()].outvars
+    dims = {}
+    for i, (part, full) in enumerate(zip(region.outvars, whole_outs, strict=True)):
+        if i == 0 or part.aval.shape == full.aval.shape:
+            continue
+        grown = [d for d, (a, b) in enumerate(zip(part.aval.shape, full.aval.shape, strict=True)) if a != b]
+        if len(grown) != 1 or full.aval.shape[grown[0]] != part.aval.shape[grown[0]] * num_microbatches:
             raise ValueError(
-                f"Aux output {i} of the loss function is {full.aval.str_short()} for the batch but "
-                f"{part.aval.str_short()} for one of num_microbatches={num_microbatches}: a value per "
-                "example, which microbatches would average instead of concatenate. Return its mean over "
-                "the batch, compute it outside the step, or use num_microbatches=1."
+                f"{region_outputs.named(i, num_aux)} of the loss function is "
+                f"{full.aval.str_short()} for the batch but "
+                f"{part.aval.str_short()} for one of num_microbatches={num_microbatches}: neither "
+                "reduced over the batch (averaged over microbatches) nor one value per example along "
+                "one dim (concatenated). Return it reduced over the batch or per example, compute it "
+                "outside the step, or use num_microbatches=1."
             )
+        dims[i] = grown[0]
+    # Code reading the per-example outputs is refused later, naming the output.
+    seeds = tuple(
+        {s.arg_vars[i] for i in batch_ids} | {s.jaxpr.eqns[s.region_index()].outvars[i] for i in dims}
+        for s in (step, whole)
+    )
+    _require_batch_free_once_per_step((step, whole), seeds, num_microbatches)
+    region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
+    return dims
+
+
+def _require_batch_free_once_per_step(
+    steps: tuple[trace.TracedStep, trace.TracedStep], seeds: tuple[set[Any], set[Any]], num_microbatches: int
+) -> None:
+    """Checks that the equations outside the grad region that read no value of one microbatch
+    (``seeds`` and what derives from them) are the same in the step traced at one microbatch
+    as at the whole batch (``steps``): a batch shape read there (``x.shape[0]`` in an
+    examples-seen counter) would be one microbatch's."""
+    mine, theirs = (_once_per_step(s, seed) for s, seed in zip(steps, seeds, strict=True))
+    for k, eqn in enumerate(mine):
+        other = theirs[k] if k < len(theirs) else None
+        if other is None or str(eqn) != str(other):
+            raise ValueError(
+                f"The step's code outside the loss function differs between one microbatch and the "
+                f"whole batch (at {compat.source_line(eqn)}: {str(eqn).splitlines()[0]!r} for one of "
+                f"num_microbatches={num_microbatches}, "
+                f"{'nothing' if other is None else repr(str(other).splitlines()[0])} for the batch): "
+                "it reads the batch's shape (e.g. x.shape[0]), which is one microbatch's there, or a "
+                "value Python makes while tracing. Read it inside the loss function and return what "
+                "needs it as aux, pass it to the step as an argument, or use num_microbatches=1."
+            )
+    if len(theirs) > len(mine):
+        raise ValueError(
+            f"The step's code outside the loss function differs between one microbatch and the "
+            f"whole batch (at {compat.source_line(theirs[len(mine)])}, only for the batch): it "
+            "reads the batch's shape. Read it inside the loss function, pass it to the step as an "
+            "argument, or use num_microbatches=1."
+        )
+
+
+def _once_per_step(step: trace.TracedStep, seeds: set[Any]) -> list[Any]:
+    """The equations outside the grad region that read nothing derived from ``seeds`` (those
+    run per microbatch, at the microbatch's shape by design)."""
+    derived, at = step.derived(seeds), step.region_index()
+    return [
+        e
+        for i, e in enumerate(step.jaxpr.eqns)
+        if i != at and not any(not compat.is_literal(a) and a in derived for a in e.invars)
+    ]
 
 
 def uniform_plan(

@@ -28,10 +28,15 @@ class Op:
     outs: tuple[Key | None, ...]
     """Output keys (None for a dropped output)."""
     eqn: Any = None
-    mode: Literal["", "zeros", "add", "copy", "mean"] = ""
-    """For ``acc``: make a zero sum, add to it, pass a value on, or divide the sum."""
+    mode: Literal["", "zeros", "add", "copy", "mean", "concat", "fold"] = ""
+    """For ``acc``: make a zero sum, add to it, pass a value on, divide the sum, join the
+    microbatches' values of a per-example output, or make each microbatch's PRNG key."""
     divisor: int = 1
-    """For ``acc`` in mode ``mean``: the number of microbatches to average over."""
+    """For ``acc`` in mode ``mean`` (or ``concat``): the number of microbatches to average over."""
+    axis: int = 0
+    """For ``acc`` in mode ``concat``: the batch dim to join along."""
+    key_impl: str = ""
+    """For ``acc`` in mode ``fold`` of raw key data: its PRNG implementation's name."""
     aval: Any = None
     """For ``acc`` in mode ``zeros``: shape and dtype of the sum."""
 

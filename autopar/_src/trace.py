@@ -84,6 +84,8 @@ def _region_impl(*args: Any, info: RegionInfo) -> list[Any]:
 grad_region_p.def_impl(_region_impl)
 grad_region_p.def_abstract_eval(lambda *avals, info: [v.aval for v in info.jaxpr.outvars])
 compat.register_lowering_from_fun(grad_region_p, _region_impl)
+# Under vmap (per-example gradients) the region becomes its plain equations: no pipeline.
+compat.register_batching_from_fun(grad_region_p, _region_impl)
 
 
 def find_regions(jaxpr: Any) -> list[int]:
@@ -259,6 +261,14 @@ class TracedStep:
     def output_paths(self) -> list[str]:
         """The pytree path of each output leaf, e.g. ``[1]`` for the loss of ``(state, loss)``."""
         return _leaf_paths(self.out_tree)
+
+    def derived(self, seeds: set[Any]) -> set[Any]:
+        """``seeds`` and the values the step computes from them outside the grad region."""
+        found, at = set(seeds), self.region_index()
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            if i != at and any(not compat.is_literal(a) and a in found for a in eqn.invars):
+                found.update(eqn.outvars)
+        return found
 
     def region_index(self) -> int | None:
         """Index of the grad-region equation, or None when the step has none.

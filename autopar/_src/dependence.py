@@ -1,0 +1,62 @@
+"""Which outputs of a jaxpr (or of one equation) depend on which inputs, through nested calls,
+rematerialised blocks, ``scan`` loops and ``cond`` branches, output by output.
+
+``None`` stands for "not known" (a ``while`` loop, a body with constants): callers then treat
+every output as possibly dependent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autopar._src import compat
+
+
+def depends(jaxpr: Any, flags: Sequence[bool]) -> list[bool] | None:
+    """For each output of the open ``jaxpr``, whether it depends on an input flagged in
+    ``flags`` (one per input)."""
+    reached = {v for v, f in zip(jaxpr.invars, flags, strict=True) if f}
+    for e in jaxpr.eqns:
+        out = eqn_depends(e, [not compat.is_literal(a) and a in reached for a in e.invars])
+        if out is None:
+            return None
+        reached.update(v for v, f in zip(e.outvars, out, strict=True) if f)
+    return [not compat.is_literal(v) and v in reached for v in jaxpr.outvars]
+
+
+def eqn_depends(eqn: Any, flags: Sequence[bool]) -> list[bool] | None:
+    """:func:`depends` for one equation: for each of its outputs, whether it depends on an
+    operand flagged in ``flags``."""
+    n = len(eqn.outvars)
+    if not any(flags):
+        return [False] * n
+    if not compat.bodies(eqn):
+        return [True] * n
+    loop = compat.scan_loop(eqn)
+    if loop is not None:  # carries feed the next iteration: grow the flags to a fixed point
+        flags = list(flags)
+        while True:
+            out = depends(loop.body, flags)
+            if out is None:
+                return None
+            grown = [k for k in range(loop.num_carry) if out[k] and not flags[loop.num_consts + k]]
+            if not grown:
+                return out
+            for k in grown:
+                flags[loop.num_consts + k] = True
+    branches = compat.cond_branches(eqn)
+    if branches is not None:
+        if flags[0] or any(consts for _, consts in branches):  # the branch taken depends on it
+            return None if not flags[0] else [True] * n
+        outs = [depends(body, flags[1:]) for body, _ in branches]
+        if any(o is None for o in outs):
+            return None
+        return [any(o[k] for o in outs) for k in range(n)]
+    body = compat.inlinable_body(eqn)
+    if body is None:
+        bodies = compat.sub_jaxprs(eqn)  # e.g. custom_jvp/vjp calls: operands one for one
+        one = bodies[0] if len(bodies) == 1 else None
+        fits = one is not None and not one.constvars and len(one.invars) == len(eqn.invars)
+        body = one if fits and len(one.outvars) == n else None
+    return None if body is None else depends(body, flags)

@@ -1,0 +1,214 @@
+"""How the grad region's outputs (the loss, its aux outputs, the gradients) become one value per
+step from the microbatches' values: a running sum divided once per step, the first microbatch's
+value for what cannot be averaged, or, for an output with a value per example (an aux output,
+or the gradient of a batch input), the
+microbatches' values concatenated.
+
+Accumulator keys are ``(var, ("acc", j))``: the running sum (or kept value) after microbatch
+``j`` (:mod:`autopar._src.program`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from autopar._src import compat, dependence, layers
+from autopar._src.program import Op
+from autopar._src.trace import TracedStep
+
+
+def _is_float(var: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.inexact))
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """The whole batch's value of a per-example region output: ``var`` (of the whole batch's
+    shape), its microbatches' values joined along ``axis``."""
+
+    var: Any
+    axis: int
+    divisor: int
+    """1 for an aux output; the number of microbatches for a gradient (a mean over them)."""
+
+
+def named(index: int, num_aux: int) -> str:
+    """How errors name the grad region's output ``index`` (after the value: aux, then gradients)."""
+    return (
+        f"Aux output {index - 1}"
+        if index <= num_aux
+        else f"The gradient of differentiated leaf {index - 1 - num_aux}"
+    )
+
+
+def joined_outputs(step: TracedStep, per_example: Mapping[int, int], nmb: int) -> dict[Any, Joined]:
+    """:class:`Joined` of each per-example output of the grad region (``per_example``: index
+    into its outputs -> batch dim).
+
+    Raises:
+      ValueError: if an equation after the region reads one (it was traced at one
+        microbatch's shape).
+    """
+    at = step.region_index()
+    region = step.jaxpr.eqns[at]
+    num_aux = region.params["info"].num_aux
+    joined = {}
+    for i, axis in per_example.items():
+        ov = region.outvars[i]
+        readers = [e for e in step.jaxpr.eqns[at + 1 :] if any(a is ov for a in e.invars)]
+        if readers:
+            raise ValueError(
+                f"{named(i, num_aux)} of the loss function ({ov.aval.str_short()} per microbatch) holds "
+                f"a value per example, and the step reads it after the gradient (at "
+                f"{compat.source_line(readers[0])}): with num_microbatches={nmb} that would see one "
+                "microbatch. Compute what you need from it inside the loss function and return "
+                "that as aux (reduced over the batch, or per example), or return it unchanged."
+            )
+        shape = list(ov.aval.shape)
+        shape[axis] *= nmb
+        var = compat.Var(ov.aval.update(shape=tuple(shape)))
+        joined[ov] = Joined(var=var, axis=axis, divisor=1 if i <= num_aux else nmb)
+    return joined
+
+
+def accumulator_ends(ov: Any, nmb: int, joined: Joined | None = None) -> tuple[list[Op], list[Op]]:
+    """Once-per-step ops that start (zeros) and finish (mean, or concatenation for a per-example
+    output) a region output's sum."""
+    if nmb == 1:
+        return [], []
+    if joined is not None:
+        parts = tuple((ov, ("acc", j)) for j in range(nmb))
+        concat = Op(
+            kind="acc",
+            mode="concat",
+            ins=parts,
+            outs=((joined.var, None),),
+            axis=joined.axis,
+            divisor=joined.divisor,
+        )
+        return [], [concat]
+    last = (ov, ("acc", nmb - 1))
+    if not _is_float(ov):
+        # The first microbatch's: it reads the step's PRNG keys unfolded (microbatch_keys).
+        return [], [Op(kind="acc", mode="copy", ins=((ov, ("acc", 0)),), outs=((ov, None),))]
+    start = Op(kind="acc", mode="zeros", ins=(), outs=((ov, ("acc", -1)),), aval=ov.aval)
+    return [start], [Op(kind="acc", mode="mean", ins=(last,), outs=((ov, None),), divisor=nmb)]
+
+
+def accumulate(val: Any, ov: Any, j: int, nmb: int, per_example: bool = False) -> Op:
+    """The op that folds microbatch ``j``'s value of a region output into its sum.
+
+    The same op for every microbatch, so all microbatches share one executable.
+    Integers, booleans and keys cannot be averaged: the first microbatch's value is
+    kept. A per-example output keeps every microbatch's value, to be concatenated.
+    """
+    if nmb == 1:
+        return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, None),))
+    if not _is_float(ov) or per_example:
+        return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, ("acc", j)),))
+    return Op(kind="acc", mode="add", ins=((ov, ("acc", j - 1)), val), outs=((ov, ("acc", j)),))
+
+
+def require_combinable(
+    step: TracedStep, whole: TracedStep, batch_ids: Sequence[int], per_example: Mapping[int, int], nmb: int
+) -> None:
+    """Checks that every aux output reduced over the batch can be combined from microbatches:
+    an integer, boolean or key one (the first microbatch's) reads nothing of the examples, and
+    none reads the batch's shape (an examples-seen counter in a module's state). ``whole`` is
+    the step traced at the whole batch, compared equation by equation (layer boundaries aside).
+
+    Raises:
+      ValueError: naming the aux output and the source line.
+    """
+    at = step.region_index()
+    region = step.jaxpr.eqns[at]
+    num_aux = region.params["info"].num_aux
+    rj = region.params["info"].jaxpr
+    outer = step.derived({step.arg_vars[i] for i in batch_ids})
+    tainted = {
+        v
+        for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
+        if not compat.is_literal(o) and o in outer
+    }
+    theirs = [
+        e
+        for e in whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr.eqns
+        if not layers.is_boundary(e)
+    ]
+    mine = [e for e in rj.eqns if not layers.is_boundary(e)]
+    twin = dict(zip(map(id, mine), theirs, strict=True)) if len(mine) == len(theirs) else {}
+    # tainted: made from the examples (or of a per-example shape); unsure: maybe (a while loop).
+    unsure: set[Any] = set()
+
+    def reads(e: Any, values: set[Any]) -> list[bool]:
+        return [not compat.is_literal(a) and a in values for a in e.invars]
+
+    for e in rj.eqns:
+        if layers.is_boundary(e):  # an identity per value
+            for seen in (tainted, unsure):
+                seen.update(v for v, r in zip(e.outvars, reads(e, seen), strict=True) if r)
+            continue
+        other = twin.get(id(e))
+        if other is not None:
+            tainted.update(
+                v for v, w in zip(e.outvars, other.outvars, strict=True) if v.aval.shape != w.aval.shape
+            )
+        out = dependence.eqn_depends(e, reads(e, tainted))
+        if out is not None:
+            tainted.update(v for v, f in zip(e.outvars, out, strict=True) if f)
+        if out is None or any(reads(e, unsure)):
+            unsure.update(e.outvars)
+    combined = {}  # aux outputs reduced over the batch: their index
+    for i in range(1, 1 + num_aux):
+        rv = rj.outvars[i]
+        if i in per_example or compat.is_literal(rv):
+            continue
+        if not _is_float(rv) and rv in tainted:
+            raise ValueError(
+                f"Aux output {i - 1} of the loss function ({rv.aval.str_short()}) is computed from the "
+                f"examples, but a {rv.aval.dtype} value cannot be averaged over microbatches (with "
+                f"num_microbatches={nmb} it would be one microbatch's). Return it as a float mean, or "
+                "per example (concatenated), or use num_microbatches=1."
+            )
+        combined.setdefault(rv, i)
+    touched = tainted | unsure
+    for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
+        other = twin.get(id(e))
+        if (
+            other is None
+            or any(reads(e, touched))
+            or any(v in touched for v in e.outvars)
+            or str(e) == str(other)
+        ):
+            continue
+        i = next(i for rv, i in combined.items() if e in _slice(rj.eqns, {rv}))
+        raise ValueError(
+            f"Aux output {i - 1} of the loss function ({rj.outvars[i].aval.str_short()}) reads the "
+            f"batch's shape (at {compat.source_line(e)}: {str(e).splitlines()[0]!r} for one of "
+            f"num_microbatches={nmb}, {str(other).splitlines()[0]!r} for the batch), e.g. an "
+            "examples-seen counter in a module's state; with microbatches it would count one "
+            "microbatch. Pass the count to the step as an argument, or use num_microbatches=1."
+        )
+
+
+def _slice(eqns: Sequence[Any], roots: set[Any]) -> list[Any]:
+    """The equations (layer boundaries aside) that the values ``roots`` are computed from."""
+    needed, found = set(roots), []
+    for e in reversed(eqns):
+        if not any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
+            continue
+        if layers.is_boundary(e):  # an identity per value
+            needed.update(
+                a
+                for a, v in zip(e.invars, e.outvars, strict=True)
+                if v in needed and not compat.is_literal(a)
+            )
+            continue
+        needed.update(a for a in e.invars if not compat.is_literal(a))
+        found.append(e)
+    return found
