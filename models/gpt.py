@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -122,10 +122,26 @@ def _check_length(tokens: jax.Array, config: GPTConfig) -> None:
 # --------------------------------------------------------------------------- linen
 
 
+class LayerConfig(Protocol):
+    """What the attention and feed-forward layers read of a config: GPT's, or the MoE
+    transformer's for its attention and dense blocks."""
+
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> Any: ...
+    @property
+    def mlp_hidden(self) -> int | None: ...
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate q/k/v/out projections."""
 
-    config: GPTConfig
+    config: LayerConfig
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
@@ -146,9 +162,9 @@ class CausalSelfAttention(nn.Module):
 class FeedForward(nn.Module):
     """Two-layer GELU feed-forward network."""
 
-    config: GPTConfig
+    config: LayerConfig
     width: int | None = None
-    """Hidden width (default: ``config.mlp_hidden``)."""
+    """Hidden width (default: ``config.mlp_hidden``, which GPT's config has)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -156,6 +172,8 @@ class FeedForward(nn.Module):
         cfg = self.config
         init = nn.initializers.normal(_INIT_STD)
         width = self.width if self.width is not None else cfg.mlp_hidden
+        if width is None:
+            raise ValueError("FeedForward needs width= for a config whose mlp_hidden is None")
         x = nn.Dense(width, dtype=cfg.dtype, kernel_init=init, name="fc_in")(x)
         x = jax.nn.gelu(x)
         return nn.Dense(cfg.hidden, dtype=cfg.dtype, kernel_init=init, name="fc_out")(x)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from models.bert import BERT_PRESETS
 from models.gpt import GPT_PRESETS
@@ -10,11 +10,14 @@ from models.mlp import MLPConfig
 from models.moe import MOE_PRESETS
 from models.wide_resnet import WRESNET_PRESETS
 
+Kind = Literal["mlp", "gpt", "bert", "wresnet", "moe"]
+"""The model families."""
+
 DEFAULT_BATCH = {"gpt": 1024, "bert": 1024, "wresnet": 1536, "moe": 1024, "mlp": 1024}
 """Global batch sizes of Alpa's benchmarks for each family."""
 
 
-def lookup(name: str) -> tuple[str, Any]:
+def lookup(name: str) -> tuple[Kind, Any]:
     """``(kind, config)`` of a preset such as ``"gpt-2.6b"``, ``"bert-large"`` or ``"wresnet-1b"``.
 
     Raises:
@@ -22,12 +25,13 @@ def lookup(name: str) -> tuple[str, Any]:
     """
     if name == "mlp":
         return "mlp", MLPConfig()
-    for kind, presets in (
+    families: tuple[tuple[Kind, dict[str, Any]], ...] = (
         ("gpt", GPT_PRESETS),
         ("bert", BERT_PRESETS),
         ("wresnet", WRESNET_PRESETS),
         ("moe", MOE_PRESETS),
-    ):
+    )
+    for kind, presets in families:
         if name in presets:
             return kind, presets[name]
     raise ValueError(f"Unknown model {name!r}; known: {', '.join(names())}")

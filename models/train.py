@@ -24,16 +24,16 @@ from models.gpt import GPT, NNXGPT, GPTConfig
 from models.losses import next_token_loss, softmax_cross_entropy
 from models.mlp import MLP, NNXMLP, MLPConfig
 from models.moe import MoEConfig, MoETransformer
+from models.registry import Kind
 from models.wide_resnet import WideResNet, WResNetConfig
 
-Kind = Literal["mlp", "gpt", "bert", "wresnet", "moe"]
 MOE_AUX_WEIGHT = 0.01
 """Weight of the MoE load-balancing loss in the training loss."""
 
 
 def make_batch(kind: Kind, config: Any, batch_size: int, seed: int = 0) -> dict[str, np.ndarray]:
     """A deterministic synthetic batch for ``kind``."""
-    makers = {
+    makers: dict[str, Callable[[int, int, Any], dict[str, np.ndarray]]] = {
         "mlp": mlp_batch,
         "gpt": gpt_batch,
         "bert": bert_batch,
@@ -151,7 +151,7 @@ def tiny_config(kind: Kind, **overrides: Any) -> Any:
     """The tiny config used in tests."""
     if kind == "mlp":
         return MLPConfig(**overrides)
-    presets = {
+    presets: dict[str, tuple[Any, str]] = {
         "gpt": (GPTConfig, "gpt-tiny"),
         "bert": (BertConfig, "bert-tiny"),
         "wresnet": (WResNetConfig, "wresnet-tiny"),

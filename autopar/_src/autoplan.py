@@ -15,6 +15,7 @@ from autopar._src import cluster as cluster_mod
 from autopar._src import planner, profile, stages, trace
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
 from autopar._src.planning import region_layers, require_region, stage_details, trace_at
+from autopar._src.schedule import ScheduleName
 
 
 def assign_devices(sizes: Sequence[tuple[int, int]], spec: cluster_mod.ClusterSpec) -> list[list[int]]:
@@ -69,7 +70,7 @@ def auto_plan(
     batch_size: int,
     device_ids: Sequence[int],
     num_microbatches: int | None,
-    schedule: str,
+    schedule: ScheduleName,
     spec: cluster_mod.ClusterSpec,
     tensor_parallel: bool = False,
     sharding_costs: bool = False,
@@ -202,8 +203,8 @@ def auto_plan(
             nmb, scale = num_microbatches, 1.0
             cuts, flops, fingerprint = region_layers(step)
         solution, costs = solve(nmb, scale)
-        sizes = [costs.submeshes[c.submesh] for c in solution.stages]
-        placement = assign_devices(sizes, spec)
+        shapes = [costs.submeshes[c.submesh] for c in solution.stages]
+        placement = assign_devices(shapes, spec)
         stage_plans = []
         for c, idx in zip(solution.stages, placement, strict=True):
             dp, tp = costs.logical[c.submesh][c.logical]

@@ -65,6 +65,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             f"argument of the {len(args)} given; the batch is split into microbatches and cannot be donated"
         )
     spec = opts.cluster if opts.cluster is not None else planning.cluster_for(devices)
+    assert isinstance(spec, ClusterSpec), "Options parses a cluster's name"
     searched = spec  # the cluster the stage search plans for
     failed: NoLayoutFitsError | None = None
     # The step at the whole batch, once (see planning.per_example_outputs).
@@ -171,11 +172,11 @@ def _plan(
 ) -> tuple[TracedStep, Plan]:
     """The traced step and its plan: ``opts.plan`` reused, searched for ``spec``, or uniform."""
     nmb = opts.plan.num_microbatches if opts.plan is not None else opts.num_microbatches
-    common = dict(batch_ids=batch_ids, batch_size=batch_size, devices=devices)
+    common: dict[str, Any] = dict(batch_ids=batch_ids, batch_size=batch_size, devices=devices)
     if opts.plan is not None:
         return planning.reuse_plan(fn, args, plan=opts.plan, **common)
     if opts.num_stages == "auto":
-        measured = {}
+        measured: dict[str, Any] = {}
         if opts.cost_model == "measured":
             from autopar._src import measure
 
@@ -228,21 +229,22 @@ def _layouts(
     # leaves of a device after the backward's transients (a step without autopar's gradient
     # has no layers to model: its one stage gets the device).
     budget = spec.device.memory_bytes * (1 - planner.MEMORY_HEADROOM)
-    if prof is not None:
-        rests = [planner.planned_peak(prof, plan, s).rest for s in range(plan.num_stages)]
-        for s, (st, rest) in enumerate(zip(plan.stages, rests, strict=True)):
-            if rest >= budget:
-                raise NoLayoutFitsError(
-                    f"{st.label(s)} has no room for its inputs: its backward's transients (the largest "
-                    f"value it makes and one microbatch's gradients) take {rest / 2**20:.3g} MiB per "
-                    f"device of the {budget / 2**20:.3g} MiB the device leaves after the memory model's "
-                    f"{planner.MEMORY_HEADROOM:.0%} margin. Use more devices per stage or microbatches, "
-                    "or a cluster with more memory.",
-                    budget=budget,
-                    least=rest,
-                )
-        budget = [budget - rest for rest in rests]
-    return intra_op.solve_stages(step, program, plan, spec, memory_budget=budget, platform=platform)
+    if prof is None:
+        return intra_op.solve_stages(step, program, plan, spec, memory_budget=budget, platform=platform)
+    rests = [planner.planned_peak(prof, plan, s).rest for s in range(plan.num_stages)]
+    for s, (st, rest) in enumerate(zip(plan.stages, rests, strict=True)):
+        if rest >= budget:
+            raise NoLayoutFitsError(
+                f"{st.label(s)} has no room for its inputs: its backward's transients (the largest "
+                f"value it makes and one microbatch's gradients) take {rest / 2**20:.3g} MiB per "
+                f"device of the {budget / 2**20:.3g} MiB the device leaves after the memory model's "
+                f"{planner.MEMORY_HEADROOM:.0%} margin. Use more devices per stage or microbatches, "
+                "or a cluster with more memory.",
+                budget=budget,
+                least=rest,
+            )
+    budgets = [budget - rest for rest in rests]
+    return intra_op.solve_stages(step, program, plan, spec, memory_budget=budgets, platform=platform)
 
 
 def _leaf_ids(args: tuple[Any, ...], argnums: tuple[int, ...]) -> tuple[int, ...]:

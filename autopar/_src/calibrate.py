@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -138,7 +139,7 @@ def calibrate(
 
     results: dict[str, float] = {}
     steps: list[tuple[str, Callable[[], float]]] = [
-        (f"{dtype} matmul", lambda dtype=dtype: _peak_flops(local, dtype, effort, room))
+        (f"{dtype} matmul", functools.partial(_peak_flops, local, dtype, effort, room))
         for dtype in REQUIRED_DTYPES
     ]
     steps.append(("memory bandwidth", lambda: _bandwidth(local, effort, room)))

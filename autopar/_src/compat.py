@@ -300,4 +300,4 @@ def register_lowering_from_fun(prim: Primitive, fun: Callable[..., Any]) -> None
 
 def aval_of(x: Any) -> Any:
     """The abstract value (shape, dtype) of an array or tracer."""
-    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+    return jax.typeof(x)

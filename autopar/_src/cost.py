@@ -39,7 +39,7 @@ def itemsize(dtype: Any) -> int:
 def splits_over_batch(aval: Any, rows: int) -> bool:
     """Whether a per-microbatch value is split over the data axis: its leading dim is the
     microbatch's rows (the runtime's rule, which the memory model follows)."""
-    shape = getattr(aval, "shape", ())
+    shape: tuple[int, ...] = getattr(aval, "shape", ())
     return len(shape) >= 1 and rows > 0 and shape[0] == rows
 
 

@@ -61,19 +61,20 @@ class Stacked:
         """The stacked dim's spec entry."""
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
-    def size(self, mesh: Mesh) -> int:
+    def size(self, mesh: Mesh | None) -> int:
         """Length of the stacked dim: one partial sum per device along the summed axes."""
+        assert mesh is not None, "a stacked sum is laid out over its stage's mesh"
         return math.prod(mesh.shape[a] for a in self.axes)
 
     def spec(self, base: Spec) -> PartitionSpec:
         """The spec of the stacked value whose reduced value has spec ``base``."""
         return PartitionSpec(*base[: self.at], self.entry, *base[self.at :])
 
-    def base(self, spec: Spec) -> Spec:
+    def base(self, spec: Sequence[Axes] | PartitionSpec) -> Spec:
         """The spec of the reduced value of a stacked value with spec ``spec``."""
         return (*spec[: self.at], *spec[self.at + 1 :])
 
-    def shape(self, shape: Sequence[int], mesh: Mesh) -> tuple[int, ...]:
+    def shape(self, shape: Sequence[int], mesh: Mesh | None) -> tuple[int, ...]:
         """The shape of the stacked value whose reduced value has shape ``shape``."""
         return (*shape[: self.at], self.size(mesh), *shape[self.at :])
 
@@ -142,7 +143,7 @@ def made_stacked(eqn: Any) -> bool:
     return eqn.primitive.name in PARTIAL_SUM_PRIMITIVES or linear_link(eqn, eqn.invars)
 
 
-def bind(eqn: Any, vals: list[Any], stacked: Stacked, out_spec: Spec, mesh: Mesh) -> Any:
+def bind(eqn: Any, vals: list[Any], stacked: Stacked, out_spec: Spec, mesh: Mesh | None) -> Any:
     """``eqn`` applied to ``vals``, as stacked partial sums."""
     if stacked.operand_specs is None:  # a linear function of one stacked value
         return jax.vmap(lambda x: compat.bind_eqn(eqn, [x])[0], in_axes=stacked.at, out_axes=stacked.at)(

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import time
 
+from autopar._src.schedule import ScheduleName
+
 
 def run(
-    *, num_devices: int, num_stages: int, num_microbatches: int, schedule: str, steps: int, batch_size: int
+    *,
+    num_devices: int,
+    num_stages: int,
+    num_microbatches: int,
+    schedule: ScheduleName,
+    steps: int,
+    batch_size: int,
 ) -> int:
     """Trains gpt-small for ``steps`` steps through autopar; prints plan and losses.
 

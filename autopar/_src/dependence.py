@@ -50,13 +50,22 @@ def eqn_depends(eqn: Any, flags: Sequence[bool]) -> list[bool] | None:
         if flags[0] or any(consts for _, consts in branches):  # the branch taken depends on it
             return None if not flags[0] else [True] * n
         outs = [depends(body, flags[1:]) for body, _ in branches]
-        if any(o is None for o in outs):
+        known = [o for o in outs if o is not None]
+        if len(known) < len(outs):
             return None
-        return [any(o[k] for o in outs) for k in range(n)]
+        return [any(o[k] for o in known) for k in range(n)]
     body = compat.inlinable_body(eqn)
     if body is None:
         bodies = compat.sub_jaxprs(eqn)  # e.g. custom_jvp/vjp calls: operands one for one
         one = bodies[0] if len(bodies) == 1 else None
-        fits = one is not None and not one.constvars and len(one.invars) == len(eqn.invars)
-        body = one if fits and len(one.outvars) == n else None
+        if (
+            one is not None
+            and not one.constvars
+            and (len(one.invars), len(one.outvars))
+            == (
+                len(eqn.invars),
+                n,
+            )
+        ):
+            body = one
     return None if body is None else depends(body, flags)

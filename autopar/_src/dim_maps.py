@@ -35,7 +35,8 @@ def _reshape_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int,
 
     Splitting the major dim of a group in blocks is the same as splitting the merged dim in blocks.
     """
-    mapping, i, j = {}, 0, 0
+    mapping: dict[int, int] = {}
+    i = j = 0
     while i < len(in_shape) or j < len(out_shape):
         gi, gj = [i], [j]
         pi = in_shape[i] if i < len(in_shape) else 1

@@ -89,7 +89,7 @@ class Executable:
     defer_reductions: bool = True
     """Keep gradients' partial sums until the last microbatch (:mod:`~autopar._src.deferred`);
     ``False`` reduces them in every microbatch's backward (for comparison)."""
-    fns: list[Callable[..., Any]] = dataclasses.field(default_factory=list, init=False)
+    fns: list[jax.stages.Wrapped] = dataclasses.field(default_factory=list, init=False)
     donated: list[tuple[int, ...]] = dataclasses.field(default_factory=list, init=False)
     """Per task: the input positions its executable donates."""
     num_compiled: int = dataclasses.field(default=0, init=False)
@@ -98,7 +98,7 @@ class Executable:
         self._arg_index = {v: i for i, v in enumerate(self.step.arg_vars)}
         self._consts = dict(self.step.const_bindings)
         self._placed_consts: dict[tuple[Key, int], Any] = {}
-        cache: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        cache: dict[tuple[Any, ...], jax.stages.Wrapped] = {}
         # An argument the step returns unchanged is returned as the caller's array, which its
         # placed copy may share: never donated to a task.
         returned = {k[0] for k in self.program.output_keys if isinstance(k, tuple)}

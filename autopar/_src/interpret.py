@@ -81,7 +81,7 @@ def _run_pinned(body: Any, inside: Inside, here: tuple[int, ...], *xs: Any) -> l
         vals = [read(a) for a in e.invars]
         name = Inner(here, e.outvars[0]) if len(e.outvars) == 1 else None
         stacked = inside.sums.values.get(name)
-        if stacked is not None and deferred.made_stacked(e):
+        if stacked is not None and name is not None and deferred.made_stacked(e):
             outs = [deferred.bind(e, vals, stacked, stacked.base(inside.pins[name].spec), inside.mesh)]
         else:
             outs = bind_pinned(e, vals, inside, here)
@@ -112,12 +112,12 @@ def task_fn(
             if op.kind == "acc" and op.mode == "fold":
                 outs = microbatch_keys.fold(vals[0], len(op.outs), op.key_impl)
             elif op.kind == "acc":
-                outs = [_acc(op, vals, sums.accumulators.get(var), mesh)]
-                if var.aval.weak_type:  # sums start from strong zeros; the step's value is weak
+                outs = [_acc(op, vals, sums.accumulators.get(op.out[0]), mesh)]
+                if op.out[0].aval.weak_type:  # sums start from strong zeros; the step's value is weak
                     outs = [compat.weakly_typed(outs[0])]
             elif var in sums.values and deferred.made_stacked(op.eqn):
                 stacked = sums.values[var]
-                outs = [deferred.bind(op.eqn, vals, stacked, stacked.base(pins[op.outs[0]].spec), mesh)]
+                outs = [deferred.bind(op.eqn, vals, stacked, stacked.base(pins[op.out].spec), mesh)]
             else:
                 outs = bind_pinned(op.eqn, vals, inside)
             for k, x in zip(op.outs, outs, strict=True):

@@ -146,9 +146,9 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
             continue
         for op in t.ops:
             if op.kind == "acc":
-                sources = [k for k in op.ins if isinstance(k, tuple) and k[0] is not op.outs[0][0]]
-                if sources and resolve(sources[0]) is not op.outs[0][0]:
-                    alias[op.outs[0][0]] = resolve(sources[0])
+                sources = [k for k in op.ins if isinstance(k, tuple) and k[0] is not op.out[0]]
+                if sources and resolve(sources[0]) is not op.out[0]:
+                    alias[op.out[0]] = resolve(sources[0])
             elif layers.is_boundary(op.eqn):  # an identity: its outputs are its operands
                 for k_in, k_out in zip(op.ins, op.outs, strict=True):
                     if isinstance(k_in, tuple) and k_out is not None and resolve(k_in) is not k_out[0]:
@@ -208,8 +208,8 @@ def solve_stage(
         held = Counter(summed(program, stage, alias))
         held.update(held_copies(program, stage, alias))  # adds: a sum and its summands apart
         # The input nodes already count one copy of what the stage receives.
-        held = {v: w - (v not in made) for v, w in held.items()}
-        nodes = charged(nodes, producer, {v: w for v, w in held.items() if w > 0}, mesh, "memory_bytes")
+        extra = {v: w - (v not in made) for v, w in held.items()}
+        nodes = charged(nodes, producer, {v: w for v, w in extra.items() if w > 0}, mesh, "memory_bytes")
     # Links as the graph names them (a call's or scan's result is an alias of a body value).
     chains = [
         c._replace(links=[alias_root(alias, v) for v in c.links])

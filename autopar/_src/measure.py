@@ -37,7 +37,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 
@@ -71,7 +71,7 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "autopar" / "costs"
 
 
-def _is_int(x: object) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -246,7 +246,8 @@ class CostCache:
             raise
         self.stats.writes += 1
 
-    def _invalid(self, path: pathlib.Path, why: str) -> None:
+    def _invalid(self, path: pathlib.Path, why: str) -> float | None:
+        """Counts and warns of an unusable entry; None, as for a miss."""
         self.stats.invalid += 1
         self.stats.misses += 1
         warnings.warn(

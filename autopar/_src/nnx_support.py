@@ -61,7 +61,8 @@ def call_value_and_grad(
         return isinstance(x, nnx.Param) and path[0] in diff_at
 
     objs = tuple(args[a] for a in positions)
-    graphdef, params, rest = nnx.split(objs, differentiated, ...)
+    graphdef, *states = nnx.split(objs, differentiated, ...)
+    params, rest = states
     for a in graph:
         own = len(jax.tree.leaves(nnx.state(args[a], nnx.Param)))
         if own != len(jax.tree.leaves(params.get(index[a], {}))):

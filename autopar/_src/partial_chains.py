@@ -74,7 +74,7 @@ def gradient_chains(tasks: Sequence[Task], stage: int, is_partial: Callable[[Any
         for op in adds:
             chain = _partial_chain(op.ins[1], made, reads, 0, is_partial, descend, name_of=lambda k: k[0])
             if chain is not None:
-                chains.append(_chain(chain, op.outs[0][0]))
+                chains.append(_chain(chain, op.out[0]))
     return chains
 
 

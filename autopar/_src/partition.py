@@ -150,7 +150,7 @@ def build_program(
             return (a, 0 if j is None else j)
         return (a, None)
 
-    stage_ops: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
+    stage_ops: dict[tuple[int, str], list[Any]] = {}  # (stage, pass) -> the region's equations
     acc_specs: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
     joined: dict[Any, region_outputs.Joined] = {}  # per-example region outputs: their whole-batch value
     producer_stage: dict[Any, int] = {}
@@ -365,13 +365,13 @@ def _wire(tasks: list[Task], output_keys: tuple[Any, ...], per_mb: set[Any], mb_
 
     # Frees: after the last instruction that reads each (key, stage) location.
     last_use: dict[Location, int] = {}
-    for n, ins in enumerate(instrs):
-        if isinstance(ins, Run):
-            t = tasks[ins.task]
+    for n, instr in enumerate(instrs):
+        if isinstance(instr, Run):
+            t = tasks[instr.task]
             for k in t.in_keys:
                 last_use[(k, t.stage)] = n
         else:
-            last_use[(ins.key, ins.src)] = n
+            last_use[(instr.key, instr.src)] = n
     keep = {(k, home[k]) for k in wanted if k in home}
     frees: dict[int, list[Location]] = {}
     for loc, n in last_use.items():

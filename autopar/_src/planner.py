@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from autopar._src import cluster as cluster_mod
 from autopar._src import stages
 from autopar._src.plan import DATA_AXIS, Plan
 from autopar._src.profile import LayerProfile
+from autopar._src.schedule import ScheduleName
 from autopar._src.stage_problem import num_in_flight
 
 MEMORY_HEADROOM = 0.15
@@ -242,7 +243,7 @@ def solve(
     spec: cluster_mod.ClusterSpec,
     *,
     num_microbatches: int,
-    schedule: Literal["1f1b", "gpipe"],
+    schedule: ScheduleName,
     batch_scale: float = 1.0,
     tensor_parallel: bool = True,
     layer_names: Sequence[str] | None = None,
@@ -282,7 +283,7 @@ def _solve(
     spec: cluster_mod.ClusterSpec,
     budget: float,
     num_microbatches: int,
-    schedule: Literal["1f1b", "gpipe"],
+    schedule: ScheduleName,
     layer_names: Sequence[str] | None,
 ) -> stages.StageSolution:
     return stages.solve_stages(

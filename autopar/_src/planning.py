@@ -19,6 +19,7 @@ import jax
 from autopar._src import cluster as cluster_mod
 from autopar._src import compat, cost, profile, region_outputs, trace
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
+from autopar._src.schedule import ScheduleName
 
 
 def _abstract(x: Any, rows: int | None) -> Any:
@@ -173,13 +174,17 @@ def per_example_outputs(
             )
         dims[i] = grown[0]
     # Code reading the per-example outputs is refused later, naming the output.
-    seeds = tuple(
-        {s.arg_vars[i] for i in batch_ids} | {s.jaxpr.eqns[s.region_index()].outvars[i] for i in dims}
-        for s in (step, whole)
-    )
+    seeds = (_batch_values(step, batch_ids, dims), _batch_values(whole, batch_ids, dims))
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches)
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
     return dims
+
+
+def _batch_values(step: trace.TracedStep, batch_ids: Sequence[int], dims: dict[int, int]) -> set[Any]:
+    """The batch's inputs and the region's per-example outputs, as variables of ``step``."""
+    at = step.region_index()
+    outs = step.jaxpr.eqns[at].outvars if at is not None else []
+    return {step.arg_vars[i] for i in batch_ids} | {outs[i] for i in dims}
 
 
 def _require_batch_free_once_per_step(
@@ -231,7 +236,7 @@ def uniform_plan(
     devices: Sequence[Any],
     num_stages: int,
     num_microbatches: int,
-    schedule: str,
+    schedule: ScheduleName,
     mesh_shape: tuple[int, ...] | None = None,
 ) -> tuple[trace.TracedStep, Plan]:
     """``num_stages`` FLOP-balanced layers, one per stage, on equal submeshes.

@@ -142,7 +142,7 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
         boundary_bytes=boundary,
         num_ops=ops,
         state_per_param=ratio,
-        dtype=max(flops_by_dtype, key=flops_by_dtype.get) if flops_by_dtype else "float32",
+        dtype=max(flops_by_dtype, key=flops_by_dtype.__getitem__) if flops_by_dtype else "float32",
         backward_peak_bytes=backward_peak,
         backward_peak_replicated_bytes=backward_peak_rep,
         batch_bytes=batch_bytes,

@@ -40,6 +40,13 @@ class Op:
     aval: Any = None
     """For ``acc`` in mode ``zeros``: shape and dtype of the sum."""
 
+    @property
+    def out(self) -> Key:
+        """The first output's key, which an ``acc`` op never drops."""
+        key = self.outs[0]
+        assert key is not None, f"op {self.kind}/{self.mode} dropped its first output"
+        return key
+
 
 @dataclasses.dataclass(eq=False)
 class Task:

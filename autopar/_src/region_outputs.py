@@ -55,6 +55,7 @@ def joined_outputs(step: TracedStep, per_example: Mapping[int, int], nmb: int) -
         microbatch's shape).
     """
     at = step.region_index()
+    assert at is not None, "per-example outputs come from a gradient region"
     region = step.jaxpr.eqns[at]
     num_aux = region.params["info"].num_aux
     joined = {}
@@ -163,7 +164,7 @@ def require_combinable(
             tainted.update(v for v, f in zip(e.outvars, out, strict=True) if f)
         if out is None or any(reads(e, unsure)):
             unsure.update(e.outvars)
-    combined = {}  # aux outputs reduced over the batch: their index
+    combined: dict[Any, int] = {}  # aux outputs reduced over the batch: their index
     for i in range(1, 1 + num_aux):
         rv = rj.outvars[i]
         if i in per_example or compat.is_literal(rv):

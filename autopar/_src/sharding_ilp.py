@@ -247,7 +247,8 @@ def _solve_milp(
         )
         if result.x is None:
             return None, "fallback"
-        x, status = result.x, "optimal" if result.status == 0 else "time_limit"
+        x = result.x
+        status: SolveStatus = "optimal" if result.status == 0 else "time_limit"
     else:
         status = "optimal"
     choices = tuple(int(np.argmax(x[offsets[v] : offsets[v + 1]])) for v in range(len(nodes)))

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Literal
 
 import numpy as np
 
-StageSchedule = Literal["1f1b", "gpipe"]
+from autopar._src.schedule import ScheduleName
+
+StageSchedule = ScheduleName
 STAGE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 
 

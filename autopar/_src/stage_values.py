@@ -43,7 +43,7 @@ def summed(program: Program, stage: int, alias: dict[Any, Any]) -> set[Any]:
     """The values ``stage`` sums over microbatches (its gradients; each running sum has the
     layout of the value it sums)."""
     return {
-        alias_root(alias, op.outs[0][0])
+        alias_root(alias, op.out[0])
         for t in program.tasks
         if t.stage == stage
         for op in t.ops

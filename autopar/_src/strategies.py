@@ -74,7 +74,7 @@ def _from_pieces(
     out_shape = shape_of(eqn.outvars[0])
     result = []
     for plan in plans:
-        if any(p not in pieces for p, _ in plan) or len(spec_axes([a for _, a in plan])) < sum(
+        if any(p not in pieces for p, _ in plan) or len(spec_axes(tuple(a for _, a in plan))) < sum(
             len(entry_axes(a)) for _, a in plan
         ):
             continue
@@ -181,12 +181,13 @@ def _gather(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     dn, table_shape = eqn.params["dimension_numbers"], shape_of(eqn.invars[0])
     out_rank, idx_rank = len(shape_of(eqn.outvars[0])), len(shape_of(eqn.invars[1]))
     batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    pieces: dict[str, _Piece] = {}
     if dn.operand_batching_dims:  # take_along_axis: operand and indices share a leading batch dim
         if tuple(dn.operand_batching_dims[:1]) != (0,) or tuple(dn.start_indices_batching_dims[:1]) != (0,):
             return replicated_strategies(eqn, mesh)
-        pieces = {"batch": _Piece(((0, 0), (1, 0)), batch_out[0])} if batch_out else {}
+        if batch_out:
+            pieces["batch"] = _Piece(((0, 0), (1, 0)), batch_out[0])
         return _from_pieces(eqn, mesh, pieces, _standard_plans(mesh, "batch", ()), weight=0)
-    pieces: dict[str, _Piece] = {}
     if idx_rank >= 2 and batch_out:  # indices' leading batch dim; the table stays whole
         pieces["indices"] = _Piece(((1, 0),), batch_out[0])
     if (

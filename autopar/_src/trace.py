@@ -130,8 +130,9 @@ def _region_value_and_grad(
 
     flat_closed = jax.make_jaxpr(lambda c, d: layers.inline_calls(fwd_jaxpr, c, d))(outer_consts, diff_leaves)
     flat_jaxpr, flat_consts = compat.jaxpr_and_consts(flat_closed)
+    other_counts: tuple[int, ...] = ()
     if options.cuts is not None:
-        cuts, other_counts = options.cuts, ()
+        cuts = options.cuts
         layer_flops = layers.layer_flops_for_cuts(flat_jaxpr, cuts)
     else:
         cuts, layer_flops, other_counts = layers.choose_cuts(flat_jaxpr, options.num_layers)

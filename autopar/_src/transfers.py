@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from autopar._src import cost
 
@@ -80,9 +80,10 @@ def _block_bytes(sharding: NamedSharding, shape: tuple[int, ...], itemsize: int)
     return float(math.prod(sharding.shard_shape(shape))) * itemsize
 
 
-def _flat(mesh: Mesh, pieces: int, dim: int | None, rank: int) -> NamedSharding:
+def _flat(mesh: Mesh | AbstractMesh, pieces: int, dim: int | None, rank: int) -> NamedSharding:
+    assert isinstance(mesh, Mesh), "routes are planned between concrete meshes"
     grid = mesh.devices.reshape(pieces, -1)
-    spec = [None] * rank
+    spec: list[str | None] = [None] * rank
     if dim is not None:
         spec[dim] = WIRE_AXES[0]
     return NamedSharding(Mesh(grid, WIRE_AXES), PartitionSpec(*spec))
