@@ -13,7 +13,8 @@ Only keys from which the loss draws something per example are folded
 microbatch and at the whole batch); a draw of the same shape for any batch (weight noise) is
 one value per step, as under ``jax.jit``, and its key is left alone. Typed keys
 (``jax.random.key``) are found by their dtype, raw ones (``jax.random.PRNGKey``'s ``uint32``
-key data) by the ``random_wrap`` that reads them.
+key data) by the ``random_wrap`` that reads them, directly, after a clone or slice (flax's
+lifted ``nn.scan``/``nn.vmap`` clone a key before splitting it) or inside a nested body.
 """
 
 from __future__ import annotations
@@ -99,13 +100,52 @@ def keys_to_fold(
     return folded
 
 
-def _wrapped_raw(jaxpr: Any) -> dict[Any, str]:
-    """The vars a ``random_wrap`` of ``jaxpr`` reads as raw key data, with their PRNG's name."""
-    return {
-        e.invars[0]: e.params["impl"].name
-        for e in jaxpr.eqns
-        if e.primitive.name == "random_wrap" and not compat.is_literal(e.invars[0])
-    }
+# Equations whose first operand's key data reaches their output unchanged in value or in part
+# (flax's lifted transforms clone a key before splitting it).
+_MOVES_KEY_DATA = frozenset(
+    {"random_clone", "reshape", "squeeze", "expand_dims", "slice", "dynamic_slice", "copy", "copy_p"}
+)
+
+
+def _wrapped_raw(jaxpr: Any, outs: Mapping[Any, str] | None = None) -> dict[Any, str]:
+    """The vars of ``jaxpr`` that hold raw key data, with their PRNG's name: those a
+    ``random_wrap`` reads, directly, through equations that move key data (``random_clone``,
+    slices, reshapes) or inside nested calls, ``scan`` loops and ``cond`` branches (e.g. a
+    ``PRNGKey`` split in front of an ``nn.scan`` stack). ``outs``: outputs already known."""
+    found = dict(outs or {})
+    for e in reversed(jaxpr.eqns):
+        name = e.primitive.name
+        if name == "random_wrap":
+            marks = {0: e.params["impl"].name}
+        elif name in _MOVES_KEY_DATA:
+            impl = found.get(e.outvars[0])
+            marks = {0: impl} if impl is not None else {}
+        else:
+            marks = _through_bodies(e, found)
+        for k, impl in marks.items():
+            if not compat.is_literal(e.invars[k]):
+                found.setdefault(e.invars[k], impl)
+    return found
+
+
+def _through_bodies(eqn: Any, found: Mapping[Any, str]) -> dict[int, str]:
+    """Operand index -> PRNG name, for the operands of ``eqn`` that its bodies use as raw key
+    data (bodies whose inputs and outputs map one to one onto the equation's, after a
+    ``cond``'s index)."""
+    marks: dict[int, str] = {}
+    branches = compat.cond_branches(eqn)
+    mapped = [(b, 1) for b, consts in branches or () if not consts] if branches is not None else []
+    if branches is None:
+        mapped = [(b, 0) for b in compat.sub_jaxprs(eqn) if not b.constvars]
+    for body, offset in mapped:
+        if len(body.invars) != len(eqn.invars) - offset or len(body.outvars) != len(eqn.outvars):
+            continue
+        known = {b: found[o] for b, o in zip(body.outvars, eqn.outvars, strict=True) if o in found}
+        inner = _wrapped_raw(body, {b: impl for b, impl in known.items() if not compat.is_literal(b)})
+        for k, v in enumerate(body.invars):
+            if v in inner:
+                marks.setdefault(offset + k, inner[v])
+    return marks
 
 
 def fold_op(key: Any, folded: Folded, nmb: int) -> Op:

@@ -1,0 +1,222 @@
+"""What the loss function returns besides the loss, with microbatches: aux outputs averaged
+or concatenated per example as ``jax.jit`` of the whole batch gives them, gradients of batch
+inputs, module state, and the errors for outputs microbatches cannot combine."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from equality import TOLERANCES, as_numpy, assert_same_as_jit
+from flax import nnx
+
+import autopar
+from models import train
+
+BATCH = 16
+
+
+def test_aux_metrics_are_averaged_over_microbatches():
+    config = train.tiny_config("mlp")
+    tx = optax.sgd(0.1)
+    state = train.linen_state("mlp", config, tx)
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"])
+            acc = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), {"acc": acc}
+
+        (loss, aux), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), (loss, aux["acc"])
+
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
+
+
+def _aux_step(aux_of, after=lambda aux: aux):
+    """An MLP step whose loss function returns ``aux_of(logits, labels)`` as aux; the step
+    returns ``after(aux)``."""
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return loss, aux_of(logits, batch["y"])
+
+        (loss, aux), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), (loss, after(aux))
+
+    return step
+
+
+def _assert_outputs_as_jit(step, state, batches, **options):
+    par, s_par, s_ref = autopar.autoparallel(step, **options), state, state
+    for b in batches:
+        (s_par, out_par), (s_ref, out_ref) = par(s_par, b), jax.jit(step)(s_ref, b)
+        for a, r in zip(jax.tree.leaves((s_par, out_par)), jax.tree.leaves((s_ref, out_ref)), strict=True):
+            assert a.shape == r.shape and a.dtype == r.dtype
+            np.testing.assert_allclose(as_numpy(a), as_numpy(r), **TOLERANCES["sgd"])
+    return out_par
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2)])
+def test_aux_outputs_per_example_are_concatenated_over_microbatches(mesh_shape):
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(
+        lambda logits, y: {
+            "logits": logits,  # batch dim 0
+            "by_class": logits.T,  # batch dim 1
+            "right": jnp.argmax(logits, -1) == y,  # booleans: concatenated, not the last microbatch's
+            "labels": y,  # a batch input passed through
+            "mean": logits.mean(),
+        }
+    )
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    options = dict(num_stages=2, num_microbatches=4, mesh_shape=mesh_shape)
+    out = _assert_outputs_as_jit(step, state, batches, **options)
+    assert out[1]["by_class"].shape == (config.num_classes, BATCH)
+    np.testing.assert_array_equal(np.asarray(out[1]["labels"]), np.asarray(batches[-1]["y"]))
+
+
+def test_gradients_of_batch_inputs_are_concatenated_over_microbatches():
+    # d loss / d x per example (saliency, input-gradient penalties): the whole batch's mean
+    # gradient is each microbatch's divided by the number of microbatches.
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+
+    def step(state, batch):
+        def loss_fn(p, x):
+            logits = state.apply_fn({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, (grads, grad_x) = autopar.value_and_grad(loss_fn, argnums=(0, 1))(state.params, batch["x"])
+        return state.apply_gradients(grads=grads), (loss, grad_x)
+
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    out = _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+    assert out[1].shape == batches[0]["x"].shape
+
+
+def test_the_batch_shape_read_outside_the_loss_function_is_an_error():
+    # An examples-seen counter: outside the loss function the step is traced at one
+    # microbatch, so x.shape[0] there would count a quarter of the batch.
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    inner = _aux_step(lambda logits, y: logits.mean())
+
+    def step(state_and_seen, batch):
+        state, seen = state_and_seen
+        state, out = inner(state, batch)
+        return (state, seen + batch["x"].shape[0]), out
+
+    batch = train.make_batch("mlp", config, BATCH)
+    state = (state, jnp.zeros((), jnp.int32))
+    outside = r"outside the loss function differs .* \(at .*test_region_outputs.*'a:i32\[\] = add b 4:i32\[\]'"
+    with pytest.raises(
+        ValueError, match=outside + r" for one of num_microbatches=4, .*16:i32.* for the batch"
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
+    _assert_outputs_as_jit(step, state, [batch], num_stages=2, num_microbatches=1)  # one microbatch: fine
+
+    # Per-microbatch code may depend on the microbatch's shape (here: a loop over its rows).
+    def rowwise(state_and_seen, batch):
+        rows = jnp.stack([row[::-1] for row in batch["x"]])
+        return inner(state_and_seen[0], {**batch, "x": rows})
+
+    _assert_outputs_as_jit(rowwise, state, [batch], num_stages=2, num_microbatches=4)
+
+
+class _Counting(nnx.Module):
+    """A module whose forward updates its own state: an RNG key it splits, optionally an
+    examples-seen counter."""
+
+    def __init__(self, count: bool):
+        self.dense, self.out = nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 4, rngs=nnx.Rngs(1))
+        self.key = nnx.Variable(jax.random.key(3))
+        self.seen = nnx.Variable(jnp.zeros((), jnp.int32)) if count else None
+
+    def __call__(self, x):
+        if self.seen is not None:
+            self.seen[...] += x.shape[0]
+        self.key[...], noise = jax.random.split(self.key[...])
+        return self.out(self.dense(x + 0.01 * jax.random.normal(noise, x.shape)))
+
+
+def test_module_state_updated_in_the_forward_comes_back_as_from_jit_or_is_an_error():
+    def step(state, batch):
+        model = nnx.merge(graphdef, state)
+        loss, grads = autopar.value_and_grad(lambda m: jnp.mean((m(batch["x"]) - batch["y"]) ** 2))(model)
+        nnx.update(model, jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param), grads))
+        return nnx.state(model), loss
+
+    batch = {"x": jnp.ones((BATCH, 8)), "y": jnp.zeros((BATCH, 4))}
+    graphdef, state = nnx.split(_Counting(count=False))
+    # The key split in the forward: the first microbatch reads it unfolded, so the module's
+    # next key is jit's (the noise drawn per example differs by design).
+    out, ref = (
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch),
+        jax.jit(step)(state, batch),
+    )
+    np.testing.assert_array_equal(as_numpy(out[0]["key"].get_value()), as_numpy(ref[0]["key"].get_value()))
+    graphdef, state = nnx.split(_Counting(count=True))
+    with pytest.raises(
+        ValueError, match=r"reads the batch's shape \(at .*test_region_outputs.*'a:i32\[\] = add b 4:i32"
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
+
+
+@pytest.mark.parametrize("loop", ["scan", "cond"])
+def test_a_counter_passed_through_a_loop_with_the_examples_is_not_computed_from_them(loop):
+    # An RNG-counter-like int goes through a scan or cond together with activations: output by
+    # output, it depends only on itself, so it may be the first microbatch's.
+    def counted(logits, count):
+        if loop == "scan":
+            (logits, count), _ = jax.lax.scan(
+                lambda c, _: ((c[0] * 1.1, c[1] + 1), None), (logits, count), None, 2
+            )
+        else:
+            logits, count = jax.lax.cond(
+                count > 0, lambda h, c: (h * 2, c + 1), lambda h, c: (h, c + 1), logits, count
+            )
+        return logits, count
+
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(lambda logits, y: counted(logits, jnp.ones((), jnp.int32))[1])
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+    _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+
+
+def test_integer_aux_outputs_computed_from_the_examples_are_an_error():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batch = train.make_batch("mlp", config, BATCH)
+    correct = _aux_step(lambda logits, y: jnp.sum(jnp.argmax(logits, -1) == y))
+    with pytest.raises(ValueError, match=r"Aux output 0 .*int32\[\]\) is computed from the examples"):
+        autopar.autoparallel(correct, num_stages=2, num_microbatches=2)(state, batch)
+    _assert_outputs_as_jit(correct, state, [batch], num_stages=2, num_microbatches=1)
+
+
+def test_aux_outputs_reduced_over_the_batch_are_averaged_whatever_their_shape():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(lambda logits, y: {"per_class": logits.mean(0)})
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+    out = _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+    assert out[1]["per_class"].shape == (config.num_classes,)
+
+
+def test_aux_outputs_neither_reduced_nor_per_example_are_an_error():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batch = train.make_batch("mlp", config, BATCH)
+    pairs = _aux_step(lambda logits, y: logits @ logits.T)  # one value per pair of examples
+    shapes = r"Aux output 0 .* float32\[16,16\] for the batch but float32\[8,8\]"
+    with pytest.raises(ValueError, match=shapes):
+        autopar.autoparallel(pairs, num_stages=2, num_microbatches=2)(state, batch)
+    # Per example, but read after the gradient, where the step was traced at one microbatch.
+    read_after = _aux_step(lambda logits, y: logits, after=lambda logits: logits.max())
+    with pytest.raises(ValueError, match=r"Aux output 0 .*reads it after the gradient \(at .*test_region_outputs"):
+        autopar.autoparallel(read_after, num_stages=2, num_microbatches=2)(state, batch)
