@@ -113,7 +113,9 @@ def test_the_batch_shape_read_outside_the_loss_function_is_an_error():
 
     batch = train.make_batch("mlp", config, BATCH)
     state = (state, jnp.zeros((), jnp.int32))
-    outside = r"outside the loss function differs .* \(at .*test_region_outputs.*'a:i32\[\] = add b 4:i32\[\]'"
+    outside = (
+        r"outside the loss function differs .* \(at .*test_region_outputs.*'a:i32\[\] = add b 4:i32\[\]'"
+    )
     with pytest.raises(
         ValueError, match=outside + r" for one of num_microbatches=4, .*16:i32.* for the batch"
     ):
@@ -218,5 +220,6 @@ def test_aux_outputs_neither_reduced_nor_per_example_are_an_error():
         autopar.autoparallel(pairs, num_stages=2, num_microbatches=2)(state, batch)
     # Per example, but read after the gradient, where the step was traced at one microbatch.
     read_after = _aux_step(lambda logits, y: logits, after=lambda logits: logits.max())
-    with pytest.raises(ValueError, match=r"Aux output 0 .*reads it after the gradient \(at .*test_region_outputs"):
+    after_gradient = r"Aux output 0 .*reads it after the gradient \(at .*test_region_outputs"
+    with pytest.raises(ValueError, match=after_gradient):
         autopar.autoparallel(read_after, num_stages=2, num_microbatches=2)(state, batch)
