@@ -60,6 +60,70 @@ def _assert_outputs_as_jit(step, state, batches, **options):
     return out_par
 
 
+def _loss_step(loss_of):
+    """An MLP step whose loss is ``loss_of(per-example losses, labels)``."""
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"])
+            return loss_of(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]), batch["y"])
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "loss_of",
+    [
+        lambda losses, y: losses.sum() / losses.shape[0],
+        lambda losses, y: jnp.dot(losses, jnp.full_like(losses, 1 / losses.shape[0])),
+        # A masked mean: exact when every microbatch holds the same weight (here: none is 0).
+        lambda losses, y: jnp.sum(losses * (y >= 0)) / jnp.sum(y >= 0),
+    ],
+    ids=["sum-over-size", "dot", "masked"],
+)
+def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+    assert_same_as_jit(
+        _loss_step(loss_of), state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4
+    )
+
+
+@pytest.mark.parametrize(
+    "loss_of,aux_of,message",
+    [
+        (lambda losses, y: losses.sum(), None, r"The loss .* is a sum over the examples .*divided by 4"),
+        (lambda losses, y: 0.01 * jnp.dot(losses, losses), None, r"The loss .* is a sum over the examples"),
+        (
+            None,
+            lambda logits, y: {"correct": jnp.sum(jnp.argmax(logits, -1) == y, dtype=jnp.float32)},
+            r"Aux output 0 .* is a sum over the examples \(at .*test_region_outputs.*reduce_sum",
+        ),
+        (
+            None,
+            lambda logits, y: {"max": logits.max()},
+            r"Aux output 0 .* reduced over the examples by reduce_max",
+        ),
+        (None, lambda logits, y: {"first": logits[0, 0]}, r"Aux output 0 .* reduced over the examples by"),
+    ],
+    ids=["loss-sum", "loss-dot", "aux-count", "aux-max", "aux-first-example"],
+)
+def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):
+    # Averaged over microbatches, a sum comes back divided by their number (the loss's gradients
+    # too) and a max is no average of maxima: an error, where jax.jit's value cannot be had.
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batch = train.make_batch("mlp", config, BATCH)
+    step = _loss_step(loss_of) if aux_of is None else _aux_step(aux_of)
+    with pytest.raises(ValueError, match=message):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
+    autopar.autoparallel(step, num_stages=2, num_microbatches=1)(state, batch)  # one: as jit
+
+
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2)])
 def test_aux_outputs_per_example_are_concatenated_over_microbatches(mesh_shape):
     config = train.tiny_config("mlp")

@@ -14,16 +14,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from autopar._src import compat, dependence, layers
+from autopar._src import batch_scaling, compat, dependence, layers
 from autopar._src.program import Op
 from autopar._src.trace import TracedStep
-
-
-def _is_float(var: Any) -> bool:
-    return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.inexact))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +87,7 @@ def accumulator_ends(ov: Any, nmb: int, joined: Joined | None = None) -> tuple[l
         )
         return [], [concat]
     last = (ov, ("acc", nmb - 1))
-    if not _is_float(ov):
+    if not batch_scaling.is_float(ov):
         # The first microbatch's: it reads the step's PRNG keys unfolded (microbatch_keys).
         return [], [Op(kind="acc", mode="copy", ins=((ov, ("acc", 0)),), outs=((ov, None),))]
     start = Op(kind="acc", mode="zeros", ins=(), outs=((ov, ("acc", -1)),), aval=ov.aval)
@@ -110,7 +103,7 @@ def accumulate(val: Any, ov: Any, j: int, nmb: int, per_example: bool = False) -
     """
     if nmb == 1:
         return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, None),))
-    if not _is_float(ov) or per_example:
+    if not batch_scaling.is_float(ov) or per_example:
         return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, ("acc", j)),))
     return Op(kind="acc", mode="add", ins=((ov, ("acc", j - 1)), val), outs=((ov, ("acc", j)),))
 
@@ -169,7 +162,7 @@ def require_combinable(
         rv = rj.outvars[i]
         if i in per_example or compat.is_literal(rv):
             continue
-        if not _is_float(rv) and rv in tainted:
+        if not batch_scaling.is_float(rv) and rv in tainted:
             raise ValueError(
                 f"Aux output {i - 1} of the loss function ({rv.aval.str_short()}) is computed from the "
                 f"examples, but a {rv.aval.dtype} value cannot be averaged over microbatches (with "
@@ -177,6 +170,9 @@ def require_combinable(
                 "per example (concatenated), or use num_microbatches=1."
             )
         combined.setdefault(rv, i)
+    if twin:
+        loss = {} if compat.is_literal(rj.outvars[0]) else {rj.outvars[0]: 0}
+        _require_means(rj, twin, tainted, {**loss, **combined}, num_aux, nmb)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -194,6 +190,40 @@ def require_combinable(
             f"num_microbatches={nmb}, {str(other).splitlines()[0]!r} for the batch), e.g. an "
             "examples-seen counter in a module's state; with microbatches it would count one "
             "microbatch. Pass the count to the step as an argument, or use num_microbatches=1."
+        )
+
+
+def _require_means(
+    rj: Any, twin: Mapping[int, Any], tainted: set[Any], averaged: Mapping[Any, int], num_aux: int, nmb: int
+) -> None:
+    """Checks that the loss and the averaged aux outputs are means over the examples, which
+    averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`)."""
+    found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb)
+    for rv, i in averaged.items():
+        scaling = found.get(rv) if batch_scaling.is_float(rv) else None
+        if scaling is None:
+            continue
+        what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
+        where = f"at {compat.source_line(scaling.origin)}: {str(scaling.origin).splitlines()[0]!r}"
+        fix = "or use num_microbatches=1."
+        if scaling.extreme:
+            raise ValueError(
+                f"{what} ({rv.aval.str_short()}) is reduced over the examples by "
+                f"{scaling.origin.primitive.name} ({where}), not by a mean, so averaging it over "
+                f"num_microbatches={nmb} microbatches would not give the whole batch's value. Return "
+                f"one value per example (concatenated), compute it outside the step, {fix}"
+            )
+        grows = (
+            f"a sum over the examples ({where}): averaged over num_microbatches={nmb} microbatches "
+            f"it would come back divided by {nmb}"
+            if scaling.degree == 1
+            else f"proportional to the batch size to the power {scaling.degree:g} ({where}): "
+            "averaged over microbatches it would not be the whole batch's value"
+        )
+        also = ", and so would the gradients" if i == 0 else ""
+        raise ValueError(
+            f"{what} ({rv.aval.str_short()}) is {grows}{also}. Divide it by the batch size "
+            f"(jnp.mean rather than jnp.sum), return one value per example, {fix}"
         )
 
 
