@@ -81,8 +81,11 @@ def _loss_step(loss_of):
         lambda losses, y: jnp.dot(losses, jnp.full_like(losses, 1 / losses.shape[0])),
         # A masked mean: exact when every microbatch holds the same weight (here: none is 0).
         lambda losses, y: jnp.sum(losses * (y >= 0)) / jnp.sum(y >= 0),
+        # An integer count clamped, and a guard on the batch: the ratio is still a mean.
+        lambda losses, y: jnp.sum(losses * (y >= 0)) / jnp.maximum(jnp.sum(y >= 0), 1),
+        lambda losses, y: jnp.where(jnp.all(jnp.isfinite(losses)), losses.mean(), 0.0),
     ],
-    ids=["sum-over-size", "dot", "masked"],
+    ids=["sum-over-size", "dot", "masked", "int-count", "guarded"],
 )
 def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
     config = train.tiny_config("mlp")

@@ -34,6 +34,9 @@ class Scaling:
     origin: Any
     """The equation that reduced over the examples."""
     extreme: bool = False
+    unknown: bool = False
+    """Reduced over the examples inside a body (a loop, a ``custom_jvp``, a scatter's): not
+    followed, so neither it nor what is made from it is checked."""
 
 
 def scalings(eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nmb: int) -> dict[Any, Scaling]:
@@ -54,13 +57,20 @@ def scalings(eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nm
             continue
         other = twin[id(e)]
         ins = [None if compat.is_literal(a) else found.get(a) for a in e.invars]
+        unknown = next((s for s in ins if s is not None and s.unknown), None)
         extreme = next((s for s in ins if s is not None and s.extreme), None)
-        if _reduces_batch(e, other, tainted):
+        if not any(is_float(v) or _is_int(v) for v in e.outvars):
+            scaling: Scaling | None = None  # predicates (a guard on any(mask)): no magnitude
+        elif unknown is not None:
+            scaling = unknown
+        elif _reduces_batch(e, other, tainted):
             if e.primitive.name in _SUMS:
                 degree = 1 + sum(s.degree for s in ins if s is not None)
-                scaling: Scaling | None = extreme or (Scaling(degree, e) if degree else None)
-            else:  # a call or loop summing inside its body is not followed: left unknown
-                scaling = None if compat.bodies(e) else Scaling(0.0, e, extreme=True)
+                scaling = extreme or (Scaling(degree, e) if degree else None)
+            elif compat.bodies(e):  # a loop, custom_jvp or scatter reducing in its body
+                scaling = Scaling(0.0, e, unknown=True)
+            else:
+                scaling = Scaling(0.0, e, extreme=True)
         elif extreme is not None:
             scaling = extreme
         else:
@@ -96,7 +106,14 @@ def _literal_degree(a: Any, b: Any, nmb: int) -> float:
     if x == 0 or x == y:
         return 0.0
     ratio = y / x
-    return 1.0 if math.isclose(ratio, nmb) else -1.0 if math.isclose(ratio, 1 / nmb) else 0.0
+    # Loosely: a bfloat16 batch size is rounded.
+    return (
+        1.0
+        if math.isclose(ratio, nmb, rel_tol=0.02)
+        else -1.0
+        if math.isclose(ratio, 1 / nmb, rel_tol=0.02)
+        else 0.0
+    )
 
 
 def is_float(var: Any) -> bool:
@@ -104,11 +121,13 @@ def is_float(var: Any) -> bool:
     return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.inexact))
 
 
+def _is_int(var: Any) -> bool:
+    return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.integer))
+
+
 def _degree(e: Any, degrees: list[float]) -> float:
     """The degree of ``e``'s outputs from its operands' ``degrees``."""
     name = e.primitive.name
-    if not all(is_float(v) for v in e.outvars):  # comparisons, counts: no magnitude
-        return 0.0
     if name == "select_n":  # the predicate picks; the cases carry the magnitude
         degrees = degrees[1:]
     if name == "mul" or name == "dot_general":

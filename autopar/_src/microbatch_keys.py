@@ -134,14 +134,19 @@ def _through_bodies(eqn: Any, found: Mapping[Any, str]) -> dict[int, str]:
     ``cond``'s index)."""
     marks: dict[int, str] = {}
     branches = compat.cond_branches(eqn)
-    mapped = [(b, 1) for b, consts in branches or () if not consts] if branches is not None else []
-    if branches is None:
+    if branches is not None:
+        mapped = [(b, 1) for b, consts in branches if not consts]
+    else:
         mapped = [(b, 0) for b in compat.sub_jaxprs(eqn) if not b.constvars]
     for body, offset in mapped:
         if len(body.invars) != len(eqn.invars) - offset or len(body.outvars) != len(eqn.outvars):
             continue
-        known = {b: found[o] for b, o in zip(body.outvars, eqn.outvars, strict=True) if o in found}
-        inner = _wrapped_raw(body, {b: impl for b, impl in known.items() if not compat.is_literal(b)})
+        known = {
+            b: found[o]
+            for b, o in zip(body.outvars, eqn.outvars, strict=True)
+            if o in found and not compat.is_literal(b)
+        }
+        inner = _wrapped_raw(body, known)
         for k, v in enumerate(body.invars):
             if v in inner:
                 marks.setdefault(offset + k, inner[v])

@@ -172,7 +172,7 @@ def require_combinable(
         combined.setdefault(rv, i)
     if twin:
         loss = {} if compat.is_literal(rj.outvars[0]) else {rj.outvars[0]: 0}
-        _require_means(rj, twin, tainted, {**loss, **combined}, num_aux, nmb)
+        _require_means(rj, twin, tainted, {**loss, **combined}, nmb)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -194,14 +194,14 @@ def require_combinable(
 
 
 def _require_means(
-    rj: Any, twin: Mapping[int, Any], tainted: set[Any], averaged: Mapping[Any, int], num_aux: int, nmb: int
+    rj: Any, twin: Mapping[int, Any], tainted: set[Any], averaged: Mapping[Any, int], nmb: int
 ) -> None:
     """Checks that the loss and the averaged aux outputs are means over the examples, which
     averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`)."""
     found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb)
     for rv, i in averaged.items():
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
-        if scaling is None:
+        if scaling is None or scaling.unknown:
             continue
         what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
         where = f"at {compat.source_line(scaling.origin)}: {str(scaling.origin).splitlines()[0]!r}"
