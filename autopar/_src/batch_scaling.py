@@ -128,8 +128,6 @@ def _is_int(var: Any) -> bool:
 def _degree(e: Any, degrees: list[float]) -> float:
     """The degree of ``e``'s outputs from its operands' ``degrees``."""
     name = e.primitive.name
-    if name == "select_n":  # the predicate picks; the cases carry the magnitude
-        degrees = degrees[1:]
     if name == "mul" or name == "dot_general":
         return degrees[0] + degrees[1]
     if name == "div":
