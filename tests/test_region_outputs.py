@@ -74,6 +74,37 @@ def _loss_step(loss_of):
     return step
 
 
+@jax.custom_jvp
+def _custom_sum(x):
+    return x.sum()
+
+
+_custom_sum.defjvp(lambda primals, tangents: (_custom_sum(primals[0]), tangents[0].sum()))
+
+
+def _chunk_sum(x):
+    """A sum over the examples made by a ``scan`` over chunks of two."""
+    return jax.lax.scan(lambda c, chunk: (c + chunk.sum(), None), 0.0, x.reshape(-1, 2))[0]
+
+
+def _row_sum(x):
+    """A sum over the examples made by a ``fori_loop`` (a ``scan``) over the rows."""
+    return jax.lax.fori_loop(0, x.shape[0], lambda i, c: c + x[i], 0.0)
+
+
+def _while_sum(x):
+    """A sum over the examples made by a ``while_loop`` over the rows."""
+    return jax.lax.while_loop(
+        lambda c: c[0] < x.shape[0], lambda c: (c[0] + 1, c[1] + x[c[0]]), (0, jnp.zeros((), x.dtype))
+    )[1]
+
+
+def _stacked(total):
+    """``total(losses)`` added up over a three-iteration ``scan`` (a layer stack's aux losses)."""
+    # Each iteration's term reads its slice of the scanned weights: it stays in the body.
+    return lambda losses, y: jax.lax.scan(lambda c, w: (c + total(losses * w), None), 0.0, jnp.ones(3))[0]
+
+
 @pytest.mark.parametrize(
     "loss_of",
     [
@@ -84,8 +115,25 @@ def _loss_step(loss_of):
         # An integer count clamped, and a guard on the batch: the ratio is still a mean.
         lambda losses, y: jnp.sum(losses * (y >= 0)) / jnp.maximum(jnp.sum(y >= 0), 1),
         lambda losses, y: jnp.where(jnp.all(jnp.isfinite(losses)), losses.mean(), 0.0),
+        # Sums made inside bodies, divided by the batch size outside them.
+        lambda losses, y: _custom_sum(losses) / losses.shape[0],
+        lambda losses, y: jax.jit(_chunk_sum)(losses) / losses.shape[0],
+        lambda losses, y: _row_sum(losses) / losses.shape[0],
+        _stacked(jnp.mean),
+        lambda losses, y: jax.lax.fori_loop(0, y.shape[0], lambda i, c: c + (losses[i] - c) / (i + 1), 0.0),
     ],
-    ids=["sum-over-size", "dot", "masked", "int-count", "guarded"],
+    ids=[
+        "sum-over-size",
+        "dot",
+        "masked",
+        "int-count",
+        "guarded",
+        "custom-jvp",
+        "chunks",
+        "rows",
+        "stack",
+        "running-mean",
+    ],
 )
 def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
     config = train.tiny_config("mlp")
@@ -112,8 +160,51 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
             r"Aux output 0 .* reduced over the examples by reduce_max",
         ),
         (None, lambda logits, y: {"first": logits[0, 0]}, r"Aux output 0 .* reduced over the examples by"),
+        # Sums made inside bodies: a custom_jvp, loops over chunks or rows, a layer stack.
+        (
+            lambda losses, y: _custom_sum(losses),
+            None,
+            r"The loss .* is a sum over the examples \(at .*test_region_outputs.*reduce_sum",
+        ),
+        (
+            lambda losses, y: _chunk_sum(losses),
+            None,
+            r"The loss .* is a sum over the examples \(at .*_chunk_sum",
+        ),
+        (lambda losses, y: _row_sum(losses), None, r"The loss .* is a sum over the examples \(at .*_row_sum"),
+        (_stacked(jnp.sum), None, r"The loss .* is a sum over the examples \(at .*reduce_sum"),
+        (
+            None,
+            lambda logits, y: {"correct": _while_sum((jnp.argmax(logits, -1) == y).astype(jnp.float32))},
+            r"Aux output 0 .* is a sum over the examples \(at .*_while_sum",
+        ),
+        (
+            None,
+            lambda logits, y: {"per_class": jax.ops.segment_sum(jnp.ones(y.shape), y, num_segments=10)},
+            r"Aux output 0 .* is a sum over the examples \(at .*scatter-add",
+        ),
+        (
+            None,
+            lambda logits, y: {
+                "max": jax.lax.fori_loop(0, y.shape[0], lambda i, c: jnp.maximum(c, logits[i, 0]), 0.0)
+            },
+            r"Aux output 0 .* reduced over the examples by",
+        ),
     ],
-    ids=["loss-sum", "loss-dot", "aux-count", "aux-max", "aux-first-example"],
+    ids=[
+        "loss-sum",
+        "loss-dot",
+        "aux-count",
+        "aux-max",
+        "aux-first-example",
+        "custom-jvp",
+        "chunks",
+        "rows",
+        "stack",
+        "aux-while",
+        "aux-segment-sum",
+        "aux-row-max",
+    ],
 )
 def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):
     # Averaged over microbatches, a sum comes back divided by their number (the loss's gradients
@@ -256,6 +347,19 @@ def test_a_counter_passed_through_a_loop_with_the_examples_is_not_computed_from_
     step = _aux_step(lambda logits, y: counted(logits, jnp.ones((), jnp.int32))[1])
     batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
     _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+
+
+def test_a_variance_over_the_batch_is_averaged_over_microbatches_like_batchnorm_statistics():
+    # jnp.var divides by the element count (a batch-size literal, unlike an examples-seen
+    # counter): a nonlinear function of means, averaged per microbatch as documented.
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batch = train.make_batch("mlp", config, BATCH)
+    step = _aux_step(lambda logits, y: {"var": jnp.var(logits), "std": jnp.std(logits, axis=0)})
+    _, (_, out) = autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
+    logits = state.apply_fn({"params": state.params}, batch["x"]).reshape(4, BATCH // 4, -1)
+    np.testing.assert_allclose(out["var"], jnp.var(logits, axis=(1, 2)).mean(), **TOLERANCES["sgd"])
+    np.testing.assert_allclose(out["std"], jnp.std(logits, axis=1).mean(0), **TOLERANCES["sgd"])
 
 
 def test_integer_aux_outputs_computed_from_the_examples_are_an_error():

@@ -22,7 +22,10 @@ import jax.numpy as jnp
 
 from autopar._src import compat, layers
 
-_SUMS = frozenset({"reduce_sum", "dot_general"})
+_SUMS = frozenset({"reduce_sum", "dot_general", "scatter-add"})
+_SAME = frozenset({"convert_element_type", "copy", "copy_p"})
+_PICKS = frozenset({"dynamic_slice", "gather"})
+"""Inside a loop over the examples, these read the iteration's example."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,12 +38,21 @@ class Scaling:
     """The equation that reduced over the examples."""
     extreme: bool = False
     unknown: bool = False
-    """Reduced over the examples inside a body (a loop, a ``custom_jvp``, a scatter's): not
-    followed, so neither it nor what is made from it is checked."""
+    """Reduced over the examples where the check does not follow (a loop whose carries neither
+    add up nor settle): neither it nor what is made from it is checked."""
+
+    def kind(self) -> tuple[float, bool, bool]:
+        return (self.degree, self.extreme, self.unknown)
 
 
-def scalings(eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nmb: int) -> dict[Any, Scaling]:
+Found = dict[Any, Scaling]
+
+
+def scalings(eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nmb: int) -> Found:
     """The values of ``eqns`` that are not batch-independent means: their :class:`Scaling`.
+
+    Bodies (nested ``jit``s, ``custom_jvp``/``custom_vjp`` and ``checkpoint`` calls, ``cond``
+    branches, ``scan`` and ``while`` loops) are followed into, their twins alongside.
 
     Args:
       eqns: the loss function's equations at one microbatch.
@@ -48,7 +60,24 @@ def scalings(eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nm
       tainted: the values computed from the examples.
       nmb: the number of microbatches (the ratio of the traces' batch sizes).
     """
-    found: dict[Any, Scaling] = {}
+    found: Found = {}
+    _walk(eqns, twin, set(tainted), nmb, found, grow=False, iterating=False)
+    return found
+
+
+def _walk(
+    eqns: Sequence[Any],
+    twin: Mapping[int, Any],
+    tainted: set[Any],
+    nmb: int,
+    found: Found,
+    *,
+    grow: bool,
+    iterating: bool,
+) -> None:
+    """Adds the scalings of ``eqns``' values to ``found`` (which holds their inputs'). ``grow``:
+    inside a body, ``tainted`` grows by whatever reads it or changes shape between the traces.
+    ``iterating``: the body of a loop over the examples."""
     for e in eqns:
         if layers.is_boundary(e):  # an identity per value
             for a, v in zip(e.invars, e.outvars, strict=True):
@@ -56,32 +85,228 @@ def scalings(eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nm
                     found[v] = found[a]
             continue
         other = twin[id(e)]
-        ins = [None if compat.is_literal(a) else found.get(a) for a in e.invars]
-        unknown = next((s for s in ins if s is not None and s.unknown), None)
-        extreme = next((s for s in ins if s is not None and s.extreme), None)
-        if not any(is_float(v) or _is_int(v) for v in e.outvars):
-            scaling: Scaling | None = None  # predicates (a guard on any(mask)): no magnitude
-        elif unknown is not None:
-            scaling = unknown
-        elif _reduces_batch(e, other, tainted):
-            if e.primitive.name in _SUMS:
-                degree = 1 + sum(s.degree for s in ins if s is not None)
-                scaling = extreme or (Scaling(degree, e) if degree else None)
-            elif compat.bodies(e):  # a loop, custom_jvp or scatter reducing in its body
-                scaling = Scaling(0.0, e, unknown=True)
-            else:
-                scaling = Scaling(0.0, e, extreme=True)
-        elif extreme is not None:
-            scaling = extreme
+        if grow and (
+            any(not compat.is_literal(a) and a in tainted for a in e.invars)
+            or any(v.aval.shape != w.aval.shape for v, w in zip(e.outvars, other.outvars, strict=True))
+        ):
+            tainted.update(e.outvars)
+        outs = _eqn(e, other, tainted, nmb, found, iterating)
+        for v, scaling in zip(e.outvars, outs, strict=True):
+            # Predicates (a guard on any(mask)) carry no magnitude.
+            if scaling is not None and not compat.is_dropvar(v) and (is_float(v) or _is_int(v)):
+                found[v] = scaling
+
+
+def _eqn(
+    e: Any, other: Any, tainted: set[Any], nmb: int, found: Found, iterating: bool
+) -> list[Scaling | None]:
+    """The scaling of each of ``e``'s outputs."""
+    n = len(e.outvars)
+    ins = [
+        found.get(a) if not compat.is_literal(a) else _literal(a, b, nmb, e)
+        for a, b in zip(e.invars, other.invars, strict=True)
+    ]
+    unknown = next((s for s in ins if s is not None and s.unknown), None)
+    if unknown is not None:
+        return [unknown] * n
+    name = e.primitive.name
+    if compat.bodies(e) and not name.startswith("scatter"):
+        through = _through(e, other, ins, tainted, nmb)
+        if through is not None:
+            return through
+    extreme = next((s for s in ins if s is not None and s.extreme), None)
+    scaling: Scaling | None
+    if _reduces_batch(e, other, tainted):
+        if name in _SUMS:
+            summed = [ins[0], ins[2]] if name == "scatter-add" else ins  # not the indices
+            degree = 1 + sum(s.degree for s in summed if s is not None)
+            scaling = extreme or (Scaling(degree, e) if degree else None)
+        elif iterating and name in _PICKS:
+            scaling = ins[0]
+        elif compat.bodies(e) and not name.startswith("scatter"):  # a body not followed
+            scaling = Scaling(0.0, e, unknown=True)
         else:
-            degrees = [_literal_degree(a, b, nmb) for a, b in zip(e.invars, other.invars, strict=True)]
-            degrees = [s.degree if s is not None else d for s, d in zip(ins, degrees, strict=True)]
-            degree = _degree(e, degrees)
-            origin = next((s.origin for s in ins if s is not None), e)
-            scaling = Scaling(degree, origin) if degree else None
-        if scaling is not None:
-            found.update((v, scaling) for v in e.outvars if not compat.is_dropvar(v))
+            scaling = Scaling(0.0, e, extreme=True)
+    elif extreme is not None:
+        scaling = extreme
+    else:
+        degree = _degree(e, [0.0 if s is None else s.degree for s in ins])
+        origin = next((s.origin for s in ins if s is not None), e)
+        scaling = Scaling(degree, origin) if degree else None
+    return [scaling] * n
+
+
+def _through(
+    e: Any, other: Any, ins: list[Scaling | None], tainted: set[Any], nmb: int
+) -> list[Scaling | None] | None:
+    """The scalings of the outputs of ``e``, an equation with bodies, from its bodies; None where
+    they cannot be followed (a body that differs between the traces, an unknown kind)."""
+    taint = [not compat.is_literal(a) and a in tainted for a in e.invars]
+    carried = [v in tainted for v in e.outvars]  # a loop's carries, as they leave it
+    branches, theirs = compat.cond_branches(e), compat.cond_branches(other)
+    if branches is not None and theirs is not None:
+        if any(c for _, c in branches) or any(c for _, c in theirs):
+            return None
+        per_branch = [
+            _body(b, t, ins[1:], taint[1:], nmb) for (b, _), (t, _) in zip(branches, theirs, strict=True)
+        ]
+        if any(f is None for f in per_branch):
+            return None
+        return [
+            _merge(
+                *(
+                    _get(f, b.outvars[k])
+                    for f, (b, _) in zip(per_branch, branches, strict=True)
+                    if f is not None
+                )
+            )
+            for k in range(len(e.outvars))
+        ]
+    loop, their_loop = compat.scan_loop(e), compat.scan_loop(other)
+    if loop is not None and their_loop is not None:
+        if their_loop.length == loop.length:
+            return _settle(loop, their_loop.body, ins, taint, carried, nmb)
+        if their_loop.length == loop.length * nmb:
+            return _over_examples(loop, their_loop.body, ins, taint, e, nmb)
+        return None
+    mine, their_while = compat.while_body(e), compat.while_body(other)
+    if mine is not None and their_while is not None:
+        (body, skip), (their_body, _) = mine, their_while
+        num_carry = len(e.outvars)
+        loop = compat.Loop(body, len(body.invars) - num_carry, num_carry, 0)
+        count = str(e.params["cond_jaxpr"]) != str(other.params["cond_jaxpr"]) or any(
+            s is not None and s.origin is e for s in ins
+        )  # the trip count follows the batch: a batch-size literal in the predicate or the carries
+        if count:
+            return _over_examples(loop, their_body, ins[skip:], taint[skip:], e, nmb)
+        return _settle(loop, their_body, ins[skip:], taint[skip:], carried, nmb)
+    body = compat.operand_body(e)
+    their_body = compat.operand_body(other)
+    if body is None or their_body is None:
+        return None
+    found = _body(body, their_body, ins, taint, nmb)
+    return None if found is None else [_get(found, v) for v in body.outvars]
+
+
+def _body(
+    body: Any,
+    theirs: Any,
+    ins: Sequence[Scaling | None],
+    taint: Sequence[bool],
+    nmb: int,
+    iterating: bool = False,
+) -> Found | None:
+    """The scalings in ``body`` (its twin ``theirs``) given its inputs'; None if the twins'
+    equations differ."""
+    if len(body.eqns) != len(theirs.eqns) or len(body.invars) != len(theirs.invars):
+        return None
+    tainted = {
+        v
+        for v, w, t in zip(body.invars, theirs.invars, taint, strict=True)
+        if t or v.aval.shape != w.aval.shape
+    }
+    found = {v: s for v, s in zip(body.invars, ins, strict=True) if s is not None}
+    twin = dict(zip(map(id, body.eqns), theirs.eqns, strict=True))
+    _walk(body.eqns, twin, tainted, nmb, found, grow=True, iterating=iterating)
     return found
+
+
+def _get(found: Found, atom: Any) -> Scaling | None:
+    return None if compat.is_literal(atom) else found.get(atom)
+
+
+def _settle(
+    loop: compat.Loop,
+    theirs: Any,
+    ins: list[Scaling | None],
+    taint: list[bool],
+    carried: list[bool],
+    nmb: int,
+) -> list[Scaling | None] | None:
+    """A loop that runs as often for a microbatch as for the batch (a layer stack): its
+    carries' scalings grown to a fixed point over iterations (``carried``: which carries leave
+    it computed from the examples)."""
+    carries = slice(loop.num_consts, loop.num_consts + loop.num_carry)
+    ins, taint = list(ins), list(taint)
+    taint[carries] = [a or b for a, b in zip(taint[carries], carried[: loop.num_carry], strict=True)]
+    for _ in range(4):
+        found = _body(loop.body, theirs, ins, taint, nmb)
+        if found is None:
+            return None
+        outs = [_get(found, v) for v in loop.body.outvars]
+        grown = [_merge(a, b) for a, b in zip(ins[carries], outs[: loop.num_carry], strict=True)]
+        if [_kind(a) for a in grown] == [_kind(a) for a in ins[carries]]:
+            return outs
+        ins[carries] = grown
+    return None
+
+
+def _over_examples(
+    loop: compat.Loop, theirs: Any, ins: list[Scaling | None], taint: list[bool], e: Any, nmb: int
+) -> list[Scaling | None] | None:
+    """A loop whose trip count follows the batch (over its examples or chunks of them): a
+    carry it adds to is a sum over the examples, one it takes a max or min of is extreme."""
+    found = _body(loop.body, theirs, ins, taint, nmb, iterating=True)
+    if found is None:
+        return None
+    made = {v: q for q in loop.body.eqns for v in q.outvars}
+    outs: list[Scaling | None] = []
+    for k, v in enumerate(loop.body.outvars[: loop.num_carry]):
+        carried, init = loop.body.invars[loop.num_consts + k], ins[loop.num_consts + k]
+        q = made.get(v) if not compat.is_literal(v) else None
+        if v is carried or q is None:
+            outs.append(init)
+            continue
+        added = [a for a in q.invars if _source(a, made) is not carried]
+        # A plain sum adds what does not read the carry (a running mean's term does).
+        if q.primitive.name in ("add", "add_any") and len(added) == 1 and not _reads(added[0], carried, made):
+            step = _get(found, added[0])
+            if step is not None and (step.extreme or step.unknown):
+                outs.append(step)
+            else:
+                outs.append(_merge(init, Scaling(1 + (step.degree if step else 0.0), q)))
+        elif q.primitive.name in ("max", "min"):
+            outs.append(Scaling(0.0, q, extreme=True))
+        else:
+            outs.append(Scaling(0.0, e, unknown=True))
+    return outs + [_get(found, v) for v in loop.body.outvars[loop.num_carry :]]
+
+
+def _reads(atom: Any, var: Any, made: Mapping[Any, Any]) -> bool:
+    """Whether ``atom`` is computed from ``var`` (within one body)."""
+    stack, seen = [atom], set()
+    while stack:
+        a = stack.pop()
+        if compat.is_literal(a) or a in seen:
+            continue
+        if a is var:
+            return True
+        seen.add(a)
+        if a in made:
+            stack.extend(made[a].invars)
+    return False
+
+
+def _source(atom: Any, made: Mapping[Any, Any]) -> Any:
+    """``atom`` before any casts or copies."""
+    while not compat.is_literal(atom) and atom in made and made[atom].primitive.name in _SAME:
+        atom = made[atom].invars[0]
+    return atom
+
+
+def _merge(*scalings: Scaling | None) -> Scaling | None:
+    """One scaling for a value that may be any of ``scalings`` (a cond's branches, a loop's
+    iterations): an unknown or extreme one wins, then the largest degree."""
+    known = [s for s in scalings if s is not None]
+    for flag in ("unknown", "extreme"):
+        hit = next((s for s in known if getattr(s, flag)), None)
+        if hit is not None:
+            return hit
+    return max(known, key=lambda s: abs(s.degree), default=None)
+
+
+def _kind(s: Scaling | None) -> tuple[float, bool, bool] | None:
+    return None if s is None else s.kind()
 
 
 def _reduces_batch(e: Any, other: Any, tainted: set[Any]) -> bool:
@@ -92,6 +317,30 @@ def _reduces_batch(e: Any, other: Any, tainted: set[Any]) -> bool:
     )
     same = all(v.aval.shape == w.aval.shape for v, w in zip(e.outvars, other.outvars, strict=True))
     return grown and same
+
+
+def sized_by_batch(e: Any, other: Any, nmb: int) -> bool:
+    """Whether ``e`` and its twin differ only in literals that are the batch size's multiples
+    (``jnp.var``'s count of elements): what :func:`scalings` accounts for."""
+    pairs = [
+        (a, b)
+        for a, b in zip(e.invars, other.invars, strict=True)
+        if compat.is_literal(a) or compat.is_literal(b)
+    ]
+    degrees = [_literal_degree(a, b, nmb) for a, b in pairs]
+    same = [
+        compat.is_literal(a) and compat.is_literal(b) and str(a) == str(b)
+        for (a, b), d in zip(pairs, degrees, strict=True)
+        if not d
+    ]
+    return any(degrees) and all(same) and str(e.params) == str(other.params)
+
+
+def _literal(a: Any, b: Any, nmb: int, e: Any) -> Scaling | None:
+    """A literal operand of ``e`` (``b`` in its twin) that is a multiple of the batch size
+    or of its reciprocal: that degree."""
+    degree = _literal_degree(a, b, nmb)
+    return Scaling(degree, e) if degree else None
 
 
 def _literal_degree(a: Any, b: Any, nmb: int) -> float:

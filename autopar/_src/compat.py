@@ -154,6 +154,27 @@ class Loop(NamedTuple):
     length: int
 
 
+def operand_body(eqn: Any) -> Any | None:
+    """The body that takes ``eqn``'s operands and gives its results one for one: a nested ``jit``,
+    a rematerialised call, or the primal of a ``custom_jvp``/``custom_vjp`` call; None for any
+    other equation (a loop, a ``cond``) and for bodies with constants."""
+    if is_call(eqn):
+        body, consts = call_body(eqn)
+        return None if consts or body.constvars else body
+    remat = remat_body(eqn)
+    if remat is not None or scan_loop(eqn) is not None or cond_branches(eqn) is not None:
+        return remat
+    found = sub_jaxprs(eqn)
+    one = found[0] if len(found) == 1 else None
+    if (
+        one is None
+        or one.constvars
+        or (len(one.invars), len(one.outvars)) != (len(eqn.invars), len(eqn.outvars))
+    ):
+        return None
+    return one
+
+
 def scan_loop(eqn: Any) -> Loop | None:
     """The loop of a ``scan`` equation, or None for any other equation.
 
@@ -222,9 +243,10 @@ def bind_with_body(eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals
     return list(eqn.primitive.bind(*invals, **{**eqn.params, key: new}))
 
 
-def source_line(eqn: Any) -> str:
+def source_line(eqn: Any, missing: str = "a line JAX did not record") -> str:
     """``file:line (function)`` of the user code that made ``eqn``: the innermost frame outside
-    installed libraries (JAX, Flax, optax, ...) and autopar itself, else JAX's summary."""
+    installed libraries (JAX, Flax, optax, ...) and autopar itself, else JAX's summary, else
+    ``missing`` (equations inlined from a nested ``jit`` may have no frames)."""
     traceback = eqn.source_info.traceback
     for frame in getattr(traceback, "frames", None) or ():
         path = os.path.abspath(frame.file_name)
@@ -232,7 +254,7 @@ def source_line(eqn: Any) -> str:
             _AUTOPAR_DIR
         ):
             return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
-    return source_info_util.summarize(eqn.source_info)
+    return source_info_util.summarize(eqn.source_info) or missing
 
 
 _LIBRARY_DIRS = frozenset({"site-packages", "dist-packages"})

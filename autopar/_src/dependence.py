@@ -54,18 +54,5 @@ def eqn_depends(eqn: Any, flags: Sequence[bool]) -> list[bool] | None:
         if len(known) < len(outs):
             return None
         return [any(o[k] for o in known) for k in range(n)]
-    body = compat.inlinable_body(eqn)
-    if body is None:
-        bodies = compat.sub_jaxprs(eqn)  # e.g. custom_jvp/vjp calls: operands one for one
-        one = bodies[0] if len(bodies) == 1 else None
-        if (
-            one is not None
-            and not one.constvars
-            and (len(one.invars), len(one.outvars))
-            == (
-                len(eqn.invars),
-                n,
-            )
-        ):
-            body = one
+    body = compat.operand_body(eqn)  # a nested jit, a remat, a custom_jvp/vjp primal
     return None if body is None else depends(body, flags)

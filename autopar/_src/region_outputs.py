@@ -170,9 +170,10 @@ def require_combinable(
                 "per example (concatenated), or use num_microbatches=1."
             )
         combined.setdefault(rv, i)
+    means: set[Any] = set()  # averaged outputs that are means, batch-size literals and all
     if twin:
         loss = {} if compat.is_literal(rj.outvars[0]) else {rj.outvars[0]: 0}
-        _require_means(rj, twin, tainted, {**loss, **combined}, nmb)
+        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -183,7 +184,18 @@ def require_combinable(
             or str(e) == str(other)
         ):
             continue
-        i = next(i for rv, i in combined.items() if e in _slice(rj.eqns, {rv}))
+        reader = next(
+            (
+                k
+                for rv, k in combined.items()
+                if e in _slice(rj.eqns, {rv})
+                and not (rv in means and batch_scaling.sized_by_batch(e, other, nmb))
+            ),
+            None,
+        )
+        if reader is None:  # a count of the batch's elements that a mean divides by (jnp.var)
+            continue
+        i = reader
         raise ValueError(
             f"Aux output {i - 1} of the loss function ({rj.outvars[i].aval.str_short()}) reads the "
             f"batch's shape (at {compat.source_line(e)}: {str(e).splitlines()[0]!r} for one of "
@@ -195,9 +207,10 @@ def require_combinable(
 
 def _require_means(
     rj: Any, twin: Mapping[int, Any], tainted: set[Any], averaged: Mapping[Any, int], nmb: int
-) -> None:
+) -> set[Any]:
     """Checks that the loss and the averaged aux outputs are means over the examples, which
-    averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`)."""
+    averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`);
+    returns the float ones found to be."""
     found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb)
     for rv, i in averaged.items():
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
@@ -225,6 +238,7 @@ def _require_means(
             f"{what} ({rv.aval.str_short()}) is {grows}{also}. Divide it by the batch size "
             f"(jnp.mean rather than jnp.sum), return one value per example, {fix}"
         )
+    return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
 
 
 def _slice(eqns: Sequence[Any], roots: set[Any]) -> list[Any]:

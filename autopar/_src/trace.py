@@ -169,7 +169,7 @@ def _region_value_and_grad(
 
 def _layer_sources(forward: Any, cuts: Sequence[int]) -> tuple[tuple[str, str], ...]:
     bounds = [0, *cuts, len(forward.eqns)]
-    lines = [compat.source_line(e) for e in forward.eqns]
+    lines = [compat.source_line(e, missing="") for e in forward.eqns]
     spans = []
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         known = [line for line in lines[a:b] if line]
