@@ -39,19 +39,37 @@ def abstract_step(model: str, dtype: str, batch_size: int | None = None):
     return train.linen_step(kind), state, batch, kind, batch_size
 
 
+def stage_options(spec, costs, num_microbatches: int) -> dict[str, Any]:
+    """The stage DP's and the grids' options for ``costs`` on ``spec``'s devices."""
+    return dict(
+        memory_budget=float(spec.device.memory_bytes),
+        num_devices=spec.num_devices,
+        num_microbatches=num_microbatches,
+        schedule=SCHEDULE,
+        submesh_devices=[h * d for h, d in costs.submeshes],
+    )
+
+
+def solve(costs, common: dict[str, Any]):
+    """autopar's stage DP on ``costs`` (raises ``NoFeasiblePlanError`` if nothing fits)."""
+    from autopar._src import stages
+
+    return stages.solve_stages(
+        costs.latency,
+        costs.param_memory,
+        costs.activation_memory,
+        **common,
+        submesh_shapes=costs.submeshes,
+        logical_shapes=costs.logical,
+    )
+
+
 def _stage_search(costs, common: dict[str, Any]) -> dict[str, Any] | None:
     """autopar's stage DP on one microbatch count's costs, as plain data (None if nothing fits)."""
     from autopar._src import stages
 
     try:
-        sol = stages.solve_stages(
-            costs.latency,
-            costs.param_memory,
-            costs.activation_memory,
-            **common,
-            submesh_shapes=costs.submeshes,
-            logical_shapes=costs.logical,
-        )
+        sol = solve(costs, common)
     except stages.NoFeasiblePlanError:
         return None
     return {
@@ -153,13 +171,7 @@ def plan_cell(
             )
             plans = {"autopar": tp, "autopar_tp1": dp, "grids": tp}
         for role, c in plans.items():
-            common = dict(
-                memory_budget=float(spec.device.memory_bytes),
-                num_devices=spec.num_devices,
-                num_microbatches=b,
-                schedule=SCHEDULE,
-                submesh_devices=[h * d for h, d in c.submeshes],
-            )
+            common = stage_options(spec, c, b)
             if role == "grids":  # Megatron-style grids
                 arrays = (c.latency, c.param_memory, c.activation_memory)
                 for grid, g in baselines.uniform_grid_plans(

@@ -78,12 +78,19 @@ def step_bound(traced, spec, *, num_microbatches: int, dtype: str) -> float:
     work over the devices. So no plan is faster than one device's forward and backward of the
     whole step times ``num_microbatches / N``: perfect scaling with free communication.
     """
+    return float(one_device(traced, spec, num_microbatches=num_microbatches, dtype=dtype).sum()) * (
+        num_microbatches / spec.num_devices
+    )
+
+
+def one_device(traced, spec, *, num_microbatches: int, dtype: str) -> np.ndarray:
+    """Each layer's seconds of one microbatch's forward and backward on one device (the ILP on a
+    1x1 mesh)."""
     from autopar._src import layer_sharding
 
-    one = layer_sharding.layer_latency(
+    return layer_sharding.layer_latency(
         traced, spec, [(1, 1)], [[(1, 1)]], dtype=dtype, microbatches=num_microbatches, gradients="megatron"
-    )
-    return float(one.sum()) * num_microbatches / spec.num_devices
+    )[:, 0, 0]
 
 
 def ilp_costs(

@@ -60,6 +60,37 @@ def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, cos
     assert len(journal.read_text().splitlines()) == 1
 
 
+def test_plan_gap_factors_multiply_to_the_step_over_the_bound():
+    import types
+
+    import numpy as np
+
+    from autopar._src import stages
+    from benchmarks.plan_gap import decompose
+
+    one = np.array([3.0, 1.0, 2.0, 2.0, 5.0, 1.0]) * 1e-3  # each layer on one device
+    submeshes, num_devices, b = ((1, 1), (1, 2), (1, 4)), 4, 8
+    prefix = np.concatenate([[0.0], np.cumsum(one)])
+    work = prefix[None, 1:] - prefix[:-1, None]  # [i, j]: layers i..j
+    latency = np.full((6, 6, 3, 1), np.inf)
+    for k, (_, n) in enumerate(submeshes):  # 10% over perfect scaling, plus 0.1 ms per stage
+        latency[..., k, 0] = np.where(np.triu(np.ones((6, 6))) > 0, 1.1 * work / n + 1e-4, np.inf)
+    zeros = np.zeros_like(latency)
+    sol = stages.solve_stages(
+        latency, zeros, zeros, submesh_devices=[1, 2, 4], memory_budget=1.0, num_devices=num_devices,
+        num_microbatches=b,
+    )  # fmt: skip
+    costs = types.SimpleNamespace(
+        latency=latency, submeshes=submeshes, logical=[[(1, 1)], [(2, 1)], [(4, 1)]]
+    )
+    gap, rows = decompose(costs, one, sol, b, num_devices)
+    assert len(rows) == len(sol.stages) and gap["step"] == pytest.approx(sol.objective)
+    assert gap["bound"] == pytest.approx(one.sum() * b / num_devices)
+    product = gap["bubble"] * gap["imbalance"] * gap["inefficiency"]
+    assert gap["step"] / gap["bound"] == pytest.approx(product)
+    assert gap["bubble"] >= 1 and gap["imbalance"] >= 1 and gap["inefficiency"] > 1.1
+
+
 def test_plan_quality_cell_takes_the_fastest_plans_over_its_clusterings():
     from benchmarks._plan_table import combine, table_row
 
