@@ -121,6 +121,16 @@ def _stacked(total):
         lambda losses, y: _row_sum(losses) / losses.shape[0],
         _stacked(jnp.mean),
         lambda losses, y: jax.lax.fori_loop(0, y.shape[0], lambda i, c: c + (losses[i] - c) / (i + 1), 0.0),
+        lambda losses, y: _row_sum(jnp.where(y >= 0, losses, 0.0)) / y.shape[0],
+        # A loop of a fixed count adding up means (a refinement loop), under stop_gradient.
+        lambda losses, y: (
+            losses.mean()
+            + jax.lax.while_loop(
+                lambda c: c[0] < 3,
+                lambda c: (c[0] + 1, jnp.tanh(c[1]), c[2] + jnp.mean(c[1] ** 2)),
+                (0, jax.lax.stop_gradient(losses), 0.0),
+            )[2]
+        ),
     ],
     ids=[
         "sum-over-size",
@@ -133,6 +143,8 @@ def _stacked(total):
         "rows",
         "stack",
         "running-mean",
+        "rows-where",
+        "fixed-while",
     ],
 )
 def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
@@ -184,6 +196,37 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
             r"Aux output 0 .* is a sum over the examples \(at .*scatter-add",
         ),
         (
+            lambda losses, y: jax.lax.fori_loop(0, y.shape[0], lambda i, c: c - losses[i], 0.0),
+            None,
+            "is a sum",
+        ),
+        (
+            lambda losses, y: jax.lax.fori_loop(
+                0, y.shape[0], lambda i, c: jnp.where(y[i] >= 0, c + losses[i], c), 0.0
+            ),
+            None,
+            r"The loss .* is a sum over the examples",
+        ),
+        (
+            None,
+            lambda logits, y: {
+                "counts": jax.lax.fori_loop(0, y.shape[0], lambda i, c: c.at[y[i]].add(1.0), jnp.zeros(10))
+            },
+            r"Aux output 0 .* is a sum over the examples \(at .*scatter-add",
+        ),
+        (
+            None,
+            lambda logits, y: {"n": jnp.asarray(y.shape[0], jnp.float32)},
+            r"Aux output 0 .* is the constant 4.0 for one of num_microbatches=4 .* 16.0 for",
+        ),
+        (
+            None,
+            lambda logits, y: {
+                "max": jax.lax.reduce(jax.lax.stop_gradient(logits[:, 0]), -jnp.inf, jnp.maximum, (0,))
+            },
+            r"Aux output 0 .* reduced over the examples by reduce",
+        ),
+        (
             None,
             lambda logits, y: {
                 "max": jax.lax.fori_loop(0, y.shape[0], lambda i, c: jnp.maximum(c, logits[i, 0]), 0.0)
@@ -203,6 +246,11 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
         "stack",
         "aux-while",
         "aux-segment-sum",
+        "rows-sub",
+        "rows-where",
+        "aux-rows-scatter",
+        "aux-batch-size",
+        "aux-lax-reduce-max",
         "aux-row-max",
     ],
 )

@@ -20,10 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autopar._src import compat, layers
+from autopar._src import carry_updates, compat, layers
 
 _SUMS = frozenset({"reduce_sum", "dot_general", "scatter-add"})
-_SAME = frozenset({"convert_element_type", "copy", "copy_p"})
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+"""Besides nested ``jit``s and checkpoints, the equations whose body takes their operands and
+gives their results one for one."""
 _PICKS = frozenset({"dynamic_slice", "gather"})
 """Inside a loop over the examples, these read the iteration's example."""
 
@@ -121,6 +123,10 @@ def _eqn(
             summed = [ins[0], ins[2]] if name == "scatter-add" else ins  # not the indices
             degree = 1 + sum(s.degree for s in summed if s is not None)
             scaling = extreme or (Scaling(degree, e) if degree else None)
+        elif name == "reduce" and carry_updates.combiner(e) in ("add", "add_any"):  # lax.reduce(x, 0., add)
+            scaling = extreme or Scaling(1 + sum(s.degree for s in ins if s is not None), e)
+        elif name == "reduce" and carry_updates.combiner(e) in ("max", "min"):
+            scaling = Scaling(0.0, e, extreme=True)
         elif iterating and name in _PICKS:
             scaling = ins[0]
         elif compat.bodies(e) and not name.startswith("scatter"):  # a body not followed
@@ -174,14 +180,15 @@ def _through(
         (body, skip), (their_body, _) = mine, their_while
         num_carry = len(e.outvars)
         loop = compat.Loop(body, len(body.invars) - num_carry, num_carry, 0)
-        count = str(e.params["cond_jaxpr"]) != str(other.params["cond_jaxpr"]) or any(
+        count = _batch_literals(e.params["cond_jaxpr"], other.params["cond_jaxpr"], nmb) or any(
             s is not None and s.origin is e for s in ins
         )  # the trip count follows the batch: a batch-size literal in the predicate or the carries
         if count:
             return _over_examples(loop, their_body, ins[skip:], taint[skip:], e, nmb)
         return _settle(loop, their_body, ins[skip:], taint[skip:], carried, nmb)
-    body = compat.operand_body(e)
-    their_body = compat.operand_body(other)
+    if not (compat.is_call(e) or compat.remat_body(e) is not None or e.primitive.name in _CUSTOM):
+        return None  # e.g. a lax.reduce's combiner: not a body over the operands
+    body, their_body = compat.operand_body(e), compat.operand_body(other)
     if body is None or their_body is None:
         return None
     found = _body(body, their_body, ins, taint, nmb)
@@ -249,49 +256,34 @@ def _over_examples(
     found = _body(loop.body, theirs, ins, taint, nmb, iterating=True)
     if found is None:
         return None
-    made = {v: q for q in loop.body.eqns for v in q.outvars}
+    links = carry_updates.Links(loop.body.eqns)
     outs: list[Scaling | None] = []
     for k, v in enumerate(loop.body.outvars[: loop.num_carry]):
         carried, init = loop.body.invars[loop.num_consts + k], ins[loop.num_consts + k]
-        q = made.get(v) if not compat.is_literal(v) else None
-        if v is carried or q is None:
+        kind, terms, q = carry_updates.update(v, carried, links)
+        step = _merge(*(_get(found, t) for t in terms))
+        if kind == "same":
             outs.append(init)
-            continue
-        added = [a for a in q.invars if _source(a, made) is not carried]
-        # A plain sum adds what does not read the carry (a running mean's term does).
-        if q.primitive.name in ("add", "add_any") and len(added) == 1 and not _reads(added[0], carried, made):
-            step = _get(found, added[0])
-            if step is not None and (step.extreme or step.unknown):
-                outs.append(step)
-            else:
-                outs.append(_merge(init, Scaling(1 + (step.degree if step else 0.0), q)))
-        elif q.primitive.name in ("max", "min"):
+        elif kind == "sum" and step is not None and (step.extreme or step.unknown):
+            outs.append(step)
+        elif kind == "sum":
+            outs.append(_merge(init, Scaling(1 + (step.degree if step else 0.0), q)))
+        elif kind == "extreme":
             outs.append(Scaling(0.0, q, extreme=True))
         else:
             outs.append(Scaling(0.0, e, unknown=True))
     return outs + [_get(found, v) for v in loop.body.outvars[loop.num_carry :]]
 
 
-def _reads(atom: Any, var: Any, made: Mapping[Any, Any]) -> bool:
-    """Whether ``atom`` is computed from ``var`` (within one body)."""
-    stack, seen = [atom], set()
-    while stack:
-        a = stack.pop()
-        if compat.is_literal(a) or a in seen:
-            continue
-        if a is var:
-            return True
-        seen.add(a)
-        if a in made:
-            stack.extend(made[a].invars)
-    return False
-
-
-def _source(atom: Any, made: Mapping[Any, Any]) -> Any:
-    """``atom`` before any casts or copies."""
-    while not compat.is_literal(atom) and atom in made and made[atom].primitive.name in _SAME:
-        atom = made[atom].invars[0]
-    return atom
+def _batch_literals(cond: Any, theirs: Any, nmb: int) -> bool:
+    """Whether a ``while``'s predicate compares with a batch-size literal (the twins' predicates
+    differ in one that is the batch size's multiple)."""
+    mine, their = compat.jaxpr_and_consts(cond)[0], compat.jaxpr_and_consts(theirs)[0]
+    return any(
+        _literal_degree(a, b, nmb)
+        for q, r in zip(mine.eqns, their.eqns, strict=False)
+        for a, b in zip(q.invars, r.invars, strict=False)
+    )
 
 
 def _merge(*scalings: Scaling | None) -> Scaling | None:

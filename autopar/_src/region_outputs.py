@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from autopar._src import batch_scaling, compat, dependence, layers
 from autopar._src.program import Op
 from autopar._src.trace import TracedStep
@@ -129,11 +131,17 @@ def require_combinable(
         for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
         if not compat.is_literal(o) and o in outer
     }
-    theirs = [
-        e
-        for e in whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr.eqns
-        if not layers.is_boundary(e)
-    ]
+    whole_rj = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
+    theirs = [e for e in whole_rj.eqns if not layers.is_boundary(e)]
+    for i in range(1, 1 + num_aux):  # a constant made from the batch's shape (its size)
+        a, b = _before_boundaries(rj, rj.outvars[i]), _before_boundaries(whole_rj, whole_rj.outvars[i])
+        if compat.is_literal(a) and compat.is_literal(b) and str(a) != str(b):
+            raise ValueError(
+                f"Aux output {i - 1} of the loss function is the constant {_value(a)} for one of "
+                f"num_microbatches={nmb} microbatches and {_value(b)} for the batch: it is made from the "
+                "batch's shape (its size, say), and with microbatches it would be one microbatch's. "
+                "Compute it outside the step, or use num_microbatches=1."
+            )
     mine = [e for e in rj.eqns if not layers.is_boundary(e)]
     twin = dict(zip(map(id, mine), theirs, strict=True)) if len(mine) == len(theirs) else {}
     # tainted: made from the examples (or of a per-example shape); unsure: maybe (a while loop).
@@ -239,6 +247,19 @@ def _require_means(
             f"(jnp.mean rather than jnp.sum), return one value per example, {fix}"
         )
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
+
+
+def _value(literal: Any) -> Any:
+    return np.asarray(compat.literal_value(literal)).tolist()
+
+
+def _before_boundaries(jaxpr: Any, atom: Any) -> Any:
+    """What ``atom`` of ``jaxpr`` is before the layer boundaries (identities) it went through."""
+    made = {v: (e, k) for e in jaxpr.eqns if layers.is_boundary(e) for k, v in enumerate(e.outvars)}
+    while not compat.is_literal(atom) and atom in made:
+        e, k = made[atom]
+        atom = e.invars[k]
+    return atom
 
 
 def _slice(eqns: Sequence[Any], roots: set[Any]) -> list[Any]:
