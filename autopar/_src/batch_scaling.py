@@ -207,6 +207,11 @@ def _body(
     equations differ."""
     if len(body.eqns) != len(theirs.eqns) or len(body.invars) != len(theirs.invars):
         return None
+    if any(
+        q.primitive is not r.primitive or (len(q.invars), len(q.outvars)) != (len(r.invars), len(r.outvars))
+        for q, r in zip(body.eqns, theirs.eqns, strict=True)
+    ):
+        return None  # the same number of equations, but not the same ones
     tainted = {
         v
         for v, w, t in zip(body.invars, theirs.invars, taint, strict=True)
