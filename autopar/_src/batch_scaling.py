@@ -43,9 +43,6 @@ class Scaling:
     """Reduced over the examples where the check does not follow (a loop whose carries neither
     add up nor settle): neither it nor what is made from it is checked."""
 
-    def kind(self) -> tuple[float, bool, bool]:
-        return (self.degree, self.extreme, self.unknown)
-
 
 Found = dict[Any, Scaling]
 
@@ -303,7 +300,7 @@ def _merge(*scalings: Scaling | None) -> Scaling | None:
 
 
 def _kind(s: Scaling | None) -> tuple[float, bool, bool] | None:
-    return None if s is None else s.kind()
+    return None if s is None else (s.degree, s.extreme, s.unknown)
 
 
 def _reduces_batch(e: Any, other: Any, tainted: set[Any]) -> bool:
