@@ -17,6 +17,7 @@ from autopar._src import (
     intra_op,
     memory,
     microbatch_keys,
+    multihost,
     partition,
     planner,
     planning,
@@ -79,6 +80,12 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             if failed is None:
                 raise
             raise failed from e  # no plan for the smaller device: the stage's error is the cause
+        if jax.process_count() > 1:  # process 0's plan on every process (see multihost)
+            agreed = Plan.from_json(multihost.agree(plan.to_json().encode()).decode())
+            if agreed != plan:
+                step, plan = planning.reuse_plan(
+                    fn, args, plan=agreed, batch_ids=batch_ids, batch_size=batch_size, devices=devices
+                )
         per_example = planning.per_example_outputs(
             step, whole_batch, batch_ids=batch_ids, num_microbatches=plan.num_microbatches
         )
@@ -178,6 +185,12 @@ def _plan(
     if opts.num_stages == "auto":
         measured: dict[str, Any] = {}
         if opts.cost_model == "measured":
+            if jax.process_count() > 1:
+                raise ValueError(
+                    f"cost_model='measured' times candidate stages on one process's devices, but "
+                    f"this run has {jax.process_count()} processes; use cost_model='analytic', or "
+                    "plan on one process and pass the saved plan (plan=autopar.Plan.load(path))."
+                )
             from autopar._src import measure
 
             directory = opts.cost_cache or measure.default_cache_dir()

@@ -239,7 +239,8 @@ class Executable:
                 if var in self._consts:
                     loc = (key, s)
                     if loc not in self._placed_consts:
-                        self._placed_consts[loc] = jax.device_put(self._consts[var], self.sharding(key, s))
+                        placed = transfers.put([self._consts[var]], [self.sharding(key, s)])
+                        self._placed_consts[loc] = placed[0]
                     env[loc] = self._placed_consts[loc]
                 elif tag is None or nmb == 1:
                     leaf = leaves[self._arg_index[var]]
@@ -257,7 +258,7 @@ class Executable:
                             env[((var, j), s)] = part
         if direct:
             # One batched call for everything that has to move.
-            placed = jax.device_put([x for _, x, _ in direct], [sh for _, _, sh in direct])
+            placed = transfers.put([x for _, x, _ in direct], [sh for _, _, sh in direct])
             env.update(zip([loc for loc, _, _ in direct], placed, strict=True))
         return env
 
@@ -267,7 +268,7 @@ class Executable:
         spec = self.spec((var, 0), stage)
         stacked = (np if isinstance(x, np.ndarray) else jnp).reshape(x, (nmb, -1, *x.shape[1:]))
         mesh = self.meshes[stage]
-        stacked = jax.device_put(stacked, NamedSharding(mesh, PartitionSpec(None, *spec)))
+        stacked = transfers.put([stacked], [NamedSharding(mesh, PartitionSpec(None, *spec))])[0]
         sig = (stage, stacked.shape, stacked.dtype, spec)
         if sig not in self._unstack:
             self._unstack[sig] = jax.jit(

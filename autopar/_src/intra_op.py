@@ -20,14 +20,14 @@ from typing import Any
 import jax
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, deferred, layers, partial_chains
+from autopar._src import compat, deferred, layers, multihost, partial_chains
 from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
 from autopar._src.layout_costs import MeshSpec
 from autopar._src.plan import Plan, StagePlan
 from autopar._src.program import Program
-from autopar._src.sharding_ilp import NoLayoutFitsError, total_memory
+from autopar._src.sharding_ilp import NoLayoutFitsError, total_cost, total_memory
 from autopar._src.stage_problem import format_bytes
 from autopar._src.stage_values import (
     alias_root,
@@ -227,6 +227,13 @@ def solve_stage(
             budget=e.budget,
             least=e.least,
         ) from None
+    if jax.process_count() > 1:
+        # Process 0's layouts on every process: a solve stopped by its time limit may differ.
+        choices = tuple(multihost.agree_ints(list(solution.choices)))
+        if choices != solution.choices:
+            solution = dataclasses.replace(
+                solution, choices=choices, objective=total_cost(nodes, edges, choices)
+            )
     specs = {
         name: nodes[i].strategies[solution.choices[i]].output_specs[k] for name, (i, k) in producer.items()
     }

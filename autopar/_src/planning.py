@@ -324,10 +324,12 @@ def reuse_plan(
 
 
 def cluster_for(devices: Sequence[Any]) -> cluster_mod.ClusterSpec:
-    """The cluster spec preset matching ``devices`` (one host).
+    """The cluster spec preset matching ``devices``: one host per process (``jax.distributed``)
+    that owns some of them.
 
     Raises:
-      ValueError: for a device kind without a preset.
+      ValueError: for a device kind without a preset, or devices that do not come as equal
+        runs of one process each (the stage search places stages on hosts by position).
     """
     kind = devices[0].device_kind.lower()
     platform = devices[0].platform
@@ -338,4 +340,13 @@ def cluster_for(devices: Sequence[Any]) -> cluster_mod.ClusterSpec:
             f"No cluster spec preset for device kind {devices[0].device_kind!r}; pass "
             "cluster=autopar.ClusterSpec(...) (or a preset) to autoparallel."
         )
-    return cluster_mod.preset(name, devices_per_host=len(devices))
+    owners = [d.process_index for d in devices]
+    hosts = list(dict.fromkeys(owners))
+    per_host = len(devices) // len(hosts)
+    if owners != [h for h in hosts for _ in range(per_host)]:
+        raise ValueError(
+            f"devices= lists devices of processes {owners}; each process must own as many of them, "
+            "listed together (e.g. sorted(devices, key=lambda d: (d.process_index, d.id))), or pass "
+            "cluster= to say how they form hosts."
+        )
+    return cluster_mod.preset(name, len(hosts), devices_per_host=per_host)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from autopar._src import cost
@@ -138,8 +139,78 @@ class Resharder:
         """Sends ``x`` (laid out as ``route.src``) along ``route``; asynchronous like ``device_put``."""
         if route.reshard_before:
             x = self(x, route.send)
-        x = jax.device_put(x, route.recv)
+        x = copy_blocks(x, route.recv)
         return self(x, route.dst) if route.reshard_after else x
+
+
+def copy_blocks(x: jax.Array, recv: NamedSharding) -> jax.Array:
+    """``x`` copied onto ``recv``'s devices, every block from a device that holds it.
+
+    With one process this is ``jax.device_put``. With several (``jax.distributed``), JAX moves
+    whole arrays only between device sets of different processes with the same layout, so
+    every process runs the same copies block by block: a block whose source and destination
+    devices are both its own is copied device to device, one that crosses processes is sent
+    with JAX's cross-host transfer (every process takes part in each, in the same order), and
+    each process assembles the blocks its devices received.
+    """
+    if jax.process_count() == 1:
+        return jax.device_put(x, recv)
+    shape = tuple(x.shape)
+    held: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+    for device, index in x.sharding.devices_indices_map(shape).items():
+        held.setdefault(_block_key(index, shape), []).append(device)
+    mine = jax.process_index()
+    local = {shard.device: shard.data for shard in x.addressable_shards}
+    received = []
+    wanted = recv.devices_indices_map(shape)
+    for device in recv.mesh.devices.flat:
+        index = wanted[device]
+        sources = held[_block_key(index, shape)]
+        # A source on the destination's own process needs no cross-host transfer.
+        src = next((d for d in sources if d.process_index == device.process_index), sources[0])
+        if src.process_index == device.process_index:
+            if device.process_index == mine:
+                received.append(jax.device_put(local[src], device))
+            continue
+        block = local[src] if src.process_index == mine else _remote(x, src, index)
+        moved = jax.device_put(block, jax.sharding.SingleDeviceSharding(device))
+        if device.process_index == mine:
+            # Wait for the block: computations queued on what has not arrived yet fill XLA's
+            # queue of computations in flight, and the process could then wait for ever to
+            # dispatch the work the other process waits for. What this process dispatched
+            # before runs meanwhile.
+            received.append(moved.block_until_ready())
+    return jax.make_array_from_single_device_arrays(shape, recv, received, dtype=x.dtype)
+
+
+def put(values: list[Any], shardings: list[NamedSharding]) -> list[Any]:
+    """``jax.device_put(values, shardings)``. With several processes JAX puts an array that this
+    process holds on its own devices (one the caller made, like a NumPy array given to every
+    process) only onto devices of this process, so such an array goes through host memory."""
+    if jax.process_count() == 1:
+        return jax.device_put(values, shardings)
+    out = []
+    for x, target in zip(values, shardings, strict=True):
+        if isinstance(x, jax.Array) and x.is_fully_addressable and not target.is_fully_addressable:
+            if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+                data = jax.device_put(np.asarray(jax.random.key_data(x)), target)
+                out.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(x)))
+                continue
+            x = np.asarray(x)
+        out.append(jax.device_put(x, target))
+    return out
+
+
+def _block_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def _remote(x: jax.Array, device: Any, index: tuple[slice, ...]) -> jax.Array:
+    """A stand-in for the block of ``x`` that another process holds on ``device``."""
+    block = tuple(len(range(*s.indices(n))) for s, n in zip(index, x.shape, strict=True))
+    return jax.make_array_from_single_device_arrays(
+        block, jax.sharding.SingleDeviceSharding(device), [], dtype=x.dtype
+    )
 
 
 def place(x: Any, target: NamedSharding, resharder: Resharder) -> Any:
