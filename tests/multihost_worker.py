@@ -36,6 +36,9 @@ def main(process_id: int, num_processes: int, port: int, transfer_port: int, cas
     step, state = train.setup(kind, api, config, OPTIMIZERS[opt]())
     batches = [train.make_batch(kind, config, 16, seed=i) for i in range(3)]
     changed = _plan_otherwise() if case == "disagree" and process_id == 1 else {}
+    if options.get("devices") == "across":  # each stage's devices: two of each process
+        devices = jax.devices()
+        options = dict(options, devices=[devices[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)])
     par = autopar.autoparallel(step, **options)
     ref = jax.jit(step)
     tol = TOLERANCES[opt]
@@ -120,6 +123,15 @@ CASES = {
     "pipeline": ("gpt", "linen", "sgd", dict(num_stages=4, num_microbatches=16, mesh_shape=(1, 2))),
     # One stage over both processes' devices: its layouts' collectives cross processes.
     "spanning": ("gpt", "linen", "adamw", dict(num_stages=1, num_microbatches=2)),
+    # Two stages, each over two devices of each process: collectives cross processes, and
+    # activations move between device sets of the same two processes (which JAX's device_put
+    # refuses), block by block within each process.
+    "across": (
+        "gpt",
+        "linen",
+        "sgd",
+        dict(num_stages=2, num_microbatches=4, devices="across", cluster="1x8xCPU"),
+    ),
     # The stage search and the sharding ILP on every process, MoE routing (gathers, scatters).
     "auto_moe": ("moe", "linen", "adamw", dict(num_stages="auto", num_microbatches=4)),
     "nnx": ("gpt", "nnx", "adamw", dict(num_stages=2, num_microbatches=2)),

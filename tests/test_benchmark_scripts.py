@@ -167,3 +167,21 @@ def test_gradient_reductions_tiny_defers_and_ends_with_the_speedup(tmp_path):
     # ... and the gradients' bytes once rather than once per microbatch.
     assert 0 < float(rows[0][2]) < float(rows[1][2]), rows
     assert "gradients kept as partial sums: 6 of 6" in text
+
+
+def test_multihost_tiny_runs_both_ways_and_ends_with_the_step_ratio(tmp_path):
+    lines = _run(
+        "multihost.py", "--model", "gpt-tiny", "--batch-size", "16", "--rounds", "2", "--repeats", "1",
+        "--mib", "1", "--timeout", "240", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    match = re.fullmatch(r"multihost_step_ratio=(\S+)", lines[-1])
+    assert match, lines[-1]
+    assert 0 < float(match[1]) < float("inf")
+    [md] = os.listdir(tmp_path)
+    rows = [line.split(" | ") for line in (tmp_path / md).read_text().splitlines() if line.startswith("| ")]
+    assert [r[:2] for r in rows[1:]] == [
+        ["| one process, 8 devices", "step"],
+        ["| one process, 8 devices", "move 1 MiB"],
+        ["| two processes, 4 devices each", "step"],
+        ["| two processes, 4 devices each", "move 1 MiB"],
+    ]

@@ -111,6 +111,13 @@ def test_a_stage_over_both_processes_equals_jit(tmp_path):
     assert [len(r["losses"]) for r in reports] == [3, 3]
 
 
+def test_stages_over_both_processes_pass_activations_block_by_block(tmp_path):
+    reports = _run("across", tmp_path)
+    _check(reports, _num_leaves("across"))
+    assert [sorted(devices) for devices in reports[0]["devices"]] == [[0, 1, 2048, 2049], [2, 3, 2050, 2051]]
+    assert [len(r["losses"]) for r in reports] == [3, 3]
+
+
 def test_every_process_runs_process_0s_plan_and_layouts(tmp_path):
     # Process 1's stage search gives one stage and its ILPs pick first strategies; without
     # agreement the two would run different programs (and wait on each other's collectives).
