@@ -21,6 +21,18 @@ def use_cpu_devices(n: int) -> None:
     jax.config.update("jax_num_cpu_devices", n)
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports on 127.0.0.1 that were free a moment ago (for local ``jax.distributed``
+    processes)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
 def interleaved_medians(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
     """Times each function once per round, alternating (see ``autopar._src.bench``)."""
     from autopar._src.bench import interleaved_times

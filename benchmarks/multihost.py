@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,16 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common  # noqa: E402
 
 DEVICES = 8
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -100,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
 def _launch(args: argparse.Namespace, num_processes: int, out: str) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
-    port, *transfer = _free_ports(1 + num_processes)
+    port, *transfer = _common.free_ports(1 + num_processes)
     common = [
         "--model", args.model, "--batch-size", str(args.batch_size), "--microbatches",
         str(args.microbatches), "--rounds", str(args.rounds), "--mib", *map(str, args.mib),

@@ -4,28 +4,21 @@ equals single-device ``jax.jit``'s (see multihost_worker.py)."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import jax
 import pytest
+from equality import OPTIMIZERS
+from multihost_worker import CASES
 
 import autopar
+from benchmarks._common import free_ports
+from models import train
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 NUM_PROCESSES = 2
 TIMEOUT = 600
-
-
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _run(case, tmp_path):
@@ -34,7 +27,7 @@ def _run(case, tmp_path):
     flags = env.get("XLA_FLAGS", "").split()
     env["XLA_FLAGS"] = " ".join(f for f in flags if "device_count" not in f)
     env["JAX_PLATFORMS"] = "cpu"
-    coordinator, *transfers = _free_ports(1 + NUM_PROCESSES)
+    coordinator, *transfers = free_ports(1 + NUM_PROCESSES)
     outs = [tmp_path / f"{case}_{i}.json" for i in range(NUM_PROCESSES)]
     procs = [
         subprocess.Popen(
@@ -83,12 +76,6 @@ def _check(reports, num_leaves):
 
 
 def _num_leaves(case):
-    sys.path.insert(0, os.path.dirname(__file__))
-    from equality import OPTIMIZERS
-    from multihost_worker import CASES
-
-    from models import train
-
     kind, api, opt, _ = CASES[case]
     _, state = train.setup(kind, api, train.tiny_config(kind), OPTIMIZERS[opt]())
     return len(jax.tree.leaves(state))
