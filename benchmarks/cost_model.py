@@ -35,10 +35,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common  # noqa: E402
 
 MODEL_NAMES = ("gpt-tiny", "gpt-small", "mlp", "mlp-wide", "bert-tiny")
+LARGE_MODEL_NAMES = ("gpt-350m", "gpt-1.3b")
+"""Published GPT sizes in bfloat16 compute, for accelerators (not in the default list)."""
 
 
 def model_config(name: str) -> tuple[str, Any]:
     """``(kind, config)`` of a model name of this benchmark."""
+    import jax.numpy as jnp
+
     from models.bert import BertConfig
     from models.gpt import GPTConfig
     from models.mlp import MLPConfig
@@ -50,6 +54,7 @@ def model_config(name: str) -> tuple[str, Any]:
         # Large enough for its matmuls, not dispatch, to dominate the step.
         "mlp-wide": ("mlp", MLPConfig(features=(1024, 1024, 1024), in_features=1024)),
         "bert-tiny": ("bert", BertConfig.preset("bert-tiny")),
+        **{name: ("gpt", GPTConfig.preset(name, dtype=jnp.bfloat16)) for name in LARGE_MODEL_NAMES},
     }
     if name not in configs:
         raise ValueError(f"Unknown model {name!r}; choose from {sorted(configs)}")
@@ -196,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", nargs="+", default=list(MODEL_NAMES), choices=MODEL_NAMES)
+    parser.add_argument(
+        "--models", nargs="+", default=list(MODEL_NAMES), choices=MODEL_NAMES + LARGE_MODEL_NAMES
+    )
     parser.add_argument("--devices", nargs="+", type=int, default=[1, 2, 4, 8], help="submesh sizes")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")

@@ -8,7 +8,13 @@ import pytest
 from autopar._src import cluster
 from autopar._src.cluster import ClusterSpec, DeviceSpec
 
-PRESET_SPECS = [cluster.H100_SXM_8, cluster.A100_SXM_8, cluster.V100_P3_16XLARGE, cluster.CPU_SIMULATED]
+PRESET_SPECS = [
+    cluster.H100_SXM_8,
+    cluster.H200_SXM_8,
+    cluster.A100_SXM_8,
+    cluster.V100_P3_16XLARGE,
+    cluster.CPU_SIMULATED,
+]
 
 
 @pytest.mark.parametrize("spec", PRESET_SPECS, ids=lambda s: s.name)
@@ -29,6 +35,25 @@ def test_preset_figures():
     assert a100.intra_host_bandwidth == 300e9 and a100.inter_host_bandwidth == 25e9
     assert v100.device.flops("float16") == 125e12 and v100.device.memory_bytes == 16 * 10**9
     assert v100.inter_host_bandwidth == pytest.approx(3.125e9 / 8)
+    h200 = cluster.H200_SXM_8
+    assert h200.device.flops("bfloat16") == 989e12 and h200.device.memory_bandwidth == 4.8e12
+    assert h200.device.memory_bytes == 141 * 10**9 and h200.intra_host_bandwidth == 450e9
+
+
+@pytest.mark.parametrize(
+    ("platform", "kind", "name"),
+    [
+        ("gpu", "NVIDIA H100 80GB HBM3", "h100"),
+        ("gpu", "NVIDIA H200", "h200"),
+        ("gpu", "NVIDIA A100-SXM4-80GB", "a100"),
+        ("gpu", "Tesla V100-SXM2-16GB", "v100"),
+        ("gpu", "NVIDIA L4", None),
+        ("cpu", "cpu", "cpu"),
+    ],
+)
+def test_preset_name_for_device_kind(platform, kind, name):
+    device = type("Device", (), {"platform": platform, "device_kind": kind})()
+    assert cluster.preset_name_for(device) == name
 
 
 def test_preset_by_name_and_hosts():

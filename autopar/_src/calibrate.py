@@ -87,15 +87,12 @@ _FULL = _Effort(
 def default_base(device: jax.Device) -> ClusterSpec:
     """The preset a calibration of ``device`` falls back on for what it cannot measure.
 
-    The preset named in the device kind (``"h100"``, ``"a100"``, ``"v100"``), ``"cpu"`` on
-    the CPU platform, and otherwise ``"h100"`` as a generic accelerator: accelerators report
-    their memory size, so only the inter-host link figures of the fallback are used there.
+    The preset named in the device kind (:func:`autopar._src.cluster.preset_name_for`),
+    ``"cpu"`` on the CPU platform, and otherwise ``"h100"`` as a generic accelerator:
+    accelerators report their memory size, so only the inter-host link figures of the
+    fallback are used there.
     """
-    kind = str(device.device_kind).lower()
-    for name in ("h100", "a100", "v100"):
-        if name in kind:
-            return cluster_mod.preset(name)
-    return cluster_mod.preset("cpu" if device.platform == "cpu" else "h100")
+    return cluster_mod.preset(cluster_mod.preset_name_for(device) or "h100")
 
 
 def calibrate(

@@ -202,6 +202,18 @@ H100_SXM_8 = ClusterSpec(
     inter_host_latency=10e-6,
 )
 
+_H200_SXM = DeviceSpec(
+    name="H200-SXM-141GB",
+    # NVIDIA H200 datasheet: the H100's tensor cores (989 TFLOP/s dense BF16/FP16, 67 TFLOP/s FP32)
+    # with 141 GB of HBM3e at 4.8 TB/s.
+    peak_flops=(("bfloat16", 989e12), ("float16", 989e12), ("float32", 67e12)),
+    memory_bandwidth=4.8e12,
+    memory_bytes=141 * 10**9,
+)
+
+H200_SXM_8 = dataclasses.replace(H100_SXM_8, name="1x8xH200", device=_H200_SXM)
+"""An HGX H200 host: the H100 host's NVLink 4 and one 400 Gb/s adapter per GPU, H200 devices."""
+
 _A100_SXM = DeviceSpec(
     name="A100-SXM4-80GB",
     # NVIDIA A100 datasheet: 312 TFLOP/s dense BF16/FP16 tensor core; 19.5 TFLOP/s FP32 (non-tensor-core).
@@ -273,6 +285,7 @@ CPU_SIMULATED = ClusterSpec(
 
 PRESETS: dict[str, ClusterSpec] = {
     "h100": H100_SXM_8,
+    "h200": H200_SXM_8,
     "a100": A100_SXM_8,
     "v100": V100_P3_16XLARGE,
     "cpu": CPU_SIMULATED,
@@ -280,7 +293,7 @@ PRESETS: dict[str, ClusterSpec] = {
 
 
 def preset(name: str, num_hosts: int = 1, *, devices_per_host: int | None = None) -> ClusterSpec:
-    """A preset cluster (``"h100"``, ``"a100"``, ``"v100"``, ``"cpu"``) with ``num_hosts`` hosts.
+    """A preset cluster (``"h100"``, ``"h200"``, ``"a100"``, ``"v100"``, ``"cpu"``) with ``num_hosts`` hosts.
 
     Example:
       >>> preset("a100", num_hosts=2).num_devices
@@ -297,6 +310,15 @@ def preset(name: str, num_hosts: int = 1, *, devices_per_host: int | None = None
     return dataclasses.replace(
         base, name=f"{num_hosts}x{per_host}x{kind}", num_hosts=num_hosts, devices_per_host=per_host
     )
+
+
+def preset_name_for(device: Any) -> str | None:
+    """The preset whose name the device's kind contains (``"NVIDIA H200"`` -> ``"h200"``),
+    ``"cpu"`` on the CPU platform, else ``None``."""
+    if device.platform == "cpu":
+        return "cpu"
+    kind = str(device.device_kind).lower()
+    return next((name for name in PRESETS if name != "cpu" and name in kind), None)
 
 
 _CLUSTER_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*([A-Za-z0-9]+)\s*$")

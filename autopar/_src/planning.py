@@ -331,10 +331,7 @@ def cluster_for(devices: Sequence[Any]) -> cluster_mod.ClusterSpec:
       ValueError: for a device kind without a preset, or devices that do not come as equal
         runs of one process each (the stage search places stages on hosts by position).
     """
-    kind = devices[0].device_kind.lower()
-    platform = devices[0].platform
-    names = {"h100": "h100", "a100": "a100", "v100": "v100"}
-    name = "cpu" if platform == "cpu" else next((v for k, v in names.items() if k in kind), None)
+    name = cluster_mod.preset_name_for(devices[0])
     if name is None:
         raise ValueError(
             f"No cluster spec preset for device kind {devices[0].device_kind!r}; pass "
