@@ -7,6 +7,8 @@ parameters ``N`` (every parameter except the token and position embedding tables
 ``12 * layers * hidden * seq_len * tokens`` for the attention scores and their use (the
 causal mask is applied to a full ``seq_len x seq_len`` matmul). MFU divides model FLOP/s by
 the device's measured peak: the best rate of a large bfloat16 matmul timed on the device.
+Each plan's step time is waited for step by step; two more columns show the host's share: how
+long a call takes to return, and the time per step when steps are dispatched back to back.
 
 Runs on the first device of the default backend: a GPU when there is one, else the CPU.
 
@@ -56,6 +58,25 @@ def measured_peak(device: Any, *, size: int, repeats: int = 10) -> float:
         jax.block_until_ready(chain(a, b))
         best = min(best, time.perf_counter() - t0)
     return 2.0 * size**3 * repeats / best
+
+
+def host_and_pipelined(run: Any, steps: int) -> tuple[float, float]:
+    """``(median seconds a call takes to return, seconds per step over steps dispatched back to
+    back and waited for once)``: what the caller's thread spends, and the step rate when the
+    host runs ahead of the device (a loop that does not wait for every loss)."""
+    import jax
+
+    host = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = run()
+        host.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = run()
+    jax.block_until_ready(out)
+    return _common.summary(host)[0], (time.perf_counter() - t0) / steps
 
 
 def model_flops(params: Any, config: Any, tokens: int) -> tuple[float, float, int]:
@@ -139,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
             jax.block_until_ready(run())
     compile_seconds = time.perf_counter() - t0
     times = _common.interleaved_medians(runners, args.steps)
+    dispatch = {name: host_and_pipelined(run, args.steps) for name, run in runners.items()}
     loss_diff = float(np.abs(np.float64(losses[AUTOPAR]) - np.float64(losses[JIT])))
 
     size = args.matmul_size or (8192 if on_gpu else 1024)
@@ -153,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         "MFU",
         "MFU (6N only)",
         "ratio vs jax.jit",
+        "host ms per call",
+        "pipelined ms/step",
     ]
     base = _common.summary(times[JIT])[0]
     rows, mfu = [], {}
@@ -170,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{mfu[name]:.3f}",
                 f"{flops_6n / med / peak:.3f}",
                 f"{med / base:.3f}",
+                f"{dispatch[name][0] * 1e3:.2f}",
+                f"{dispatch[name][1] * 1e3:.2f}",
             ]
         )
     _common.print_table(f"{args.model} train step on one {device.device_kind}", headers, rows)
@@ -182,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
             "batch": f"{args.batch_size} x {config.max_len} tokens ({tokens:,} per step)",
             "precision": "bfloat16 compute, float32 parameters, optax.adamw",
             "device": f"{device.device_kind} ({device.platform}), first of {jax.device_count()}",
-            "steps": f"{args.steps} timed per plan after 2 warm-up steps, alternating, old state donated",
+            "steps": f"{args.steps} timed per plan after 2 warm-up steps, alternating, old state donated; "
+            f"then {args.steps} timed one call at a time and {args.steps} back to back per plan",
             "model FLOPs per step": f"{(flops_6n + flops_attn):.4g} = 6 N tokens {flops_6n:.4g} "
             f"+ attention {flops_attn:.4g} (PaLM's definition)",
             "measured peak": f"{peak / 1e12:.4g} TFLOP/s: best of 5 timings of 10 chained "
@@ -196,7 +223,9 @@ def main(argv: list[str] | None = None) -> None:
         headers,
         rows,
         notes="MFU = model FLOP/s / measured matmul peak. `MFU (6N only)` leaves out the attention "
-        "FLOPs. Both plans run the identical step; the ratio is autopar's single-device overhead.",
+        "FLOPs. Both plans run the identical step; the ratio is autopar's single-device overhead. "
+        "`host ms per call`: how long a call takes to return (the device may still be working); "
+        "`pipelined ms/step`: steps dispatched back to back, waited for once at the end.",
     )
     print(f"results: {path}")
     print(f"mfu={mfu[AUTOPAR]:.4f}")

@@ -92,6 +92,8 @@ class Executable:
     fns: list[jax.stages.Wrapped] = dataclasses.field(default_factory=list, init=False)
     donated: list[tuple[int, ...]] = dataclasses.field(default_factory=list, init=False)
     """Per task: the input positions its executable donates."""
+    out_orders: list[tuple[int, ...]] = dataclasses.field(default_factory=list, init=False)
+    """Per task: the positions in ``task.out_keys`` of its executable's outputs, in order."""
     num_compiled: int = dataclasses.field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +105,7 @@ class Executable:
         # placed copy may share: never donated to a task.
         returned = {k[0] for k in self.program.output_keys if isinstance(k, tuple)}
         donated_vars = {self.step.arg_vars[i] for i in self.donated_leaf_ids} - returned
+        partner = _step_aliases(self.step.arg_vars, self.donated_leaf_ids, self.program.output_keys)
         last_read: dict[int, set[Any]] = {}
         for ins in self.program.instrs:
             if isinstance(ins, Run):
@@ -124,18 +127,19 @@ class Executable:
             s_in = tuple(self.spec(k, t.stage) for k in t.in_keys)
             s_out = tuple(self.spec(k, t.stage) for k in t.out_keys)
             reusable = {k for k in t.in_keys if k[0] in donated_vars and k in last_read.get(ti, ())}
-            donate = _donatable(t, reusable, s_in, s_out)
-            sig = (_signature(t, s_in, s_out), donate)
+            donate, order = _donation(t, reusable, s_in, s_out, partner)
+            sig = (_signature(t, s_in, s_out), donate, order)
             if sig not in cache:
                 mesh = self.meshes[t.stage]
                 cache[sig] = jax.jit(
-                    interpret.task_fn(t, self._pins(t), inside[t.stage]),
+                    _reordered(interpret.task_fn(t, self._pins(t), inside[t.stage]), order),
                     in_shardings=tuple(NamedSharding(mesh, s) for s in s_in),
-                    out_shardings=tuple(NamedSharding(mesh, s) for s in s_out),
+                    out_shardings=tuple(NamedSharding(mesh, s_out[j]) for j in order),
                     donate_argnums=donate,
                 )
             self.fns.append(cache[sig])
             self.donated.append(donate)
+            self.out_orders.append(order)
         self.num_compiled = len(cache)
         self._unstack: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._resharder = transfers.Resharder()
@@ -218,7 +222,7 @@ class Executable:
                 "run",
                 self.fns[ins.task],
                 tuple((k, t.stage) for k in t.in_keys),
-                tuple((k, t.stage) for k in t.out_keys),
+                tuple((t.out_keys[j], t.stage) for j in self.out_orders[ins.task]),
                 ins.frees,
             )
         aval = ins.key[0].aval
@@ -315,24 +319,74 @@ def _is_accumulator(key: Key) -> bool:
     return isinstance(tag, tuple) and tag[0] == "acc"
 
 
-def _donatable(
-    task: Task, reusable: set[Key], specs_in: Sequence[PartitionSpec], specs_out: Sequence[PartitionSpec]
-) -> tuple[int, ...]:
-    """Inputs whose buffers an output of the same shape, dtype and layout can reuse.
+def _step_aliases(
+    arg_vars: Sequence[Any], donated_leaf_ids: Sequence[int], output_keys: Sequence[Any]
+) -> dict[Key, Any]:
+    """For each output key of the step, the donated argument whose buffer ``jax.jit`` of the
+    whole step would give it: outputs in order take the first unused donated argument of the
+    same shape and dtype (so a train state's new leaves take their old leaves' buffers)."""
+    free: dict[tuple[Any, ...], list[Any]] = {}
+    for i in sorted(donated_leaf_ids):
+        aval = arg_vars[i].aval
+        free.setdefault((tuple(aval.shape), aval.dtype), []).append(arg_vars[i])
+    partner: dict[Key, Any] = {}
+    for key in output_keys:
+        if isinstance(key, tuple) and key not in partner:
+            waiting = free.get((tuple(key[0].aval.shape), key[0].aval.dtype))
+            if waiting:
+                partner[key] = waiting.pop(0)
+    return partner
 
-    Donated arguments read here for the last time (``reusable``) are matched to
-    outputs first, since the caller asked for them; then accumulators.
+
+def _donation(
+    task: Task,
+    reusable: set[Key],
+    specs_in: Sequence[PartitionSpec],
+    specs_out: Sequence[PartitionSpec],
+    partner: dict[Key, Any],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(donated input positions, output order)`` of a task's executable.
+
+    An input may give its buffer to an output of the same shape, dtype and layout. Donated
+    arguments read here for the last time (``reusable``) go first, each to its own new value
+    where the task makes it (``partner``, as ``jax.jit`` of the step pairs them), then
+    accumulators to their own next sums, then any output left that fits. ``jax.jit`` pairs
+    each output, in order, with the first unused donated input of its shape and dtype, so the
+    outputs are reordered to make it pick these pairs: paired outputs first, by their input's
+    position, then the rest. A wrong pair is correct but slow: XLA copies the input first,
+    since the program still reads it after the output is written.
     """
-    free_outputs: dict[tuple[Any, ...], int] = {}
-    for k, spec in zip(task.out_keys, specs_out, strict=True):
-        sig = (tuple(k[0].aval.shape), str(k[0].aval.dtype), spec)
-        free_outputs[sig] = free_outputs.get(sig, 0) + 1
-    donate = []
+
+    def sig(k: Key, spec: PartitionSpec) -> tuple[Any, ...]:
+        return (tuple(k[0].aval.shape), str(k[0].aval.dtype), spec)
+
+    outs = [sig(k, spec) for k, spec in zip(task.out_keys, specs_out, strict=True)]
+    free = list(range(len(outs)))
+    pairs: dict[int, int] = {}
+    own = [
+        lambda k, o: partner.get(o) == k[0] or (_is_accumulator(k) and o[0] == k[0]),
+        lambda k, o: True,
+    ]
     for wanted in (lambda k: k in reusable, _is_accumulator):
-        for i, (k, spec) in enumerate(zip(task.in_keys, specs_in, strict=True)):
-            aval = k[0].aval
-            sig = (tuple(aval.shape), str(aval.dtype), spec)
-            if i not in donate and wanted(k) and free_outputs.get(sig, 0) > 0:
-                free_outputs[sig] -= 1
-                donate.append(i)
-    return tuple(sorted(donate))
+        for mine in own:
+            for i, (k, spec) in enumerate(zip(task.in_keys, specs_in, strict=True)):
+                if i in pairs or not wanted(k):
+                    continue
+                j = next((j for j in free if outs[j] == sig(k, spec) and mine(k, task.out_keys[j])), None)
+                if j is not None:
+                    pairs[i] = j
+                    free.remove(j)
+    order = tuple(pairs[i] for i in sorted(pairs)) + tuple(free)
+    return tuple(sorted(pairs)), order
+
+
+def _reordered(fn: Callable[..., tuple[Any, ...]], order: tuple[int, ...]) -> Callable[..., tuple[Any, ...]]:
+    """``fn`` returning its outputs in ``order``."""
+    if order == tuple(range(len(order))):
+        return fn
+
+    def reordered(*args: Any) -> tuple[Any, ...]:
+        outs = fn(*args)
+        return tuple(outs[j] for j in order)
+
+    return reordered
