@@ -205,10 +205,9 @@ class AutoParallel:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args = self._positional(args, kwargs)
-        exe = self._executable(args)
-        leaves = _live_leaves(exe, args)
-        return jax.tree.unflatten(exe.step.out_tree, exe(leaves))
+        leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
+        exe = self._lookup(leaves, in_tree)
+        return jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves)))
 
     def timed(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[tuple[int, str], float]]:
         """Runs one step waiting for every task; returns the outputs and measured times.
@@ -217,10 +216,10 @@ class AutoParallel:
         keyed ``(stage, "F" | "B")``, ready for ``plan.timeline(path, task_seconds=...)``.
         Waiting serialises the pipeline, so the step itself is slower than a normal call.
         """
-        args = self._positional(args, kwargs)
-        exe = self._executable(args)
+        leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
+        exe = self._lookup(leaves, in_tree)
         times: list[float] = []
-        out = jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, args), task_times=times))
+        out = jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves), task_times=times))
         per_task: dict[tuple[int, str], list[float]] = {}
         for task, seconds in zip(exe.program.tasks, times, strict=True):
             match = re.fullmatch(r"([FB])\d+\.\d+", task.label)
@@ -254,18 +253,24 @@ class AutoParallel:
         return bound.args
 
     def _executable(self, args: tuple[Any, ...]) -> driver.Executable:
-        leaves, in_tree = jax.tree.flatten(args)
-        if any(compat.is_tracer(x) for x in leaves):
+        return self._lookup(*jax.tree.flatten(args))
+
+    def _lookup(self, leaves: list[Any], in_tree: Any) -> driver.Executable:
+        """The executable for arguments with these leaves, built on first use."""
+        try:
+            key = (in_tree, tuple(map(_aval_key, leaves)))
+        except _Traced:
             raise ValueError(
                 f"{getattr(self.fn, '__name__', 'The step')}, decorated with autopar.autoparallel, was "
                 "called inside a JAX transformation (jax.jit, vmap, grad, scan, ...), with traced "
                 "arguments: it runs its own pipeline of compiled tasks on the devices, so call it "
                 "from Python, outside any transformation."
-            )
-        key = (in_tree, tuple(_aval_key(x) for x in leaves))
-        if key not in self._cache:
-            self._cache[key] = build.executable(self.fn, args, self.options)
-        return self._cache[key]
+            ) from None
+        exe = self._cache.get(key)
+        if exe is None:
+            args = jax.tree.unflatten(in_tree, leaves)
+            exe = self._cache[key] = build.executable(self.fn, args, self.options)
+        return exe
 
 
 def _as_cluster(cluster: Any) -> ClusterSpec:
@@ -278,7 +283,7 @@ def _as_cluster(cluster: Any) -> ClusterSpec:
     return cluster
 
 
-def _live_leaves(exe: driver.Executable, args: tuple[Any, ...]) -> list[Any]:
+def _live_leaves(exe: driver.Executable, leaves: list[Any]) -> list[Any]:
     """The arguments' leaves, checked before anything is dispatched: no shapes without values,
     none deleted (e.g. donated to an earlier call) and no array donated twice (XLA would crash
     on either).
@@ -286,14 +291,14 @@ def _live_leaves(exe: driver.Executable, args: tuple[Any, ...]) -> list[Any]:
     Raises:
       ValueError: naming the leaf's path.
     """
-    leaves = jax.tree.leaves(args)
     for i, x in enumerate(leaves):
-        if isinstance(x, jax.ShapeDtypeStruct):
+        known = type(x) in _ARRAY_TYPES  # the common case: a type test, no slow isinstance
+        if not known and isinstance(x, jax.ShapeDtypeStruct):
             raise ValueError(
                 f"Argument {exe.step.input_paths()[i]} is a jax.ShapeDtypeStruct: running the step "
                 "needs arrays. For a plan from shapes alone use the step's .plan(...) or autopar.plan_step."
             )
-        if isinstance(x, jax.Array) and x.is_deleted():
+        if (known or isinstance(x, jax.Array)) and x.is_deleted():
             raise ValueError(
                 f"Argument {exe.step.input_paths()[i]} is a deleted array (donated to an earlier call, "
                 "or deleted): pass the arrays the previous step returned instead."
@@ -309,14 +314,28 @@ def _live_leaves(exe: driver.Executable, args: tuple[Any, ...]) -> list[Any]:
     return leaves
 
 
+_ARRAY_TYPES: set[type] = set()
+"""Classes of concrete ``jax.Array`` leaves seen so far (never tracers): a leaf of one of
+them takes the fast path, a type test instead of ``jax.Array``'s slower ``isinstance``."""
+
+
+class _Traced(Exception):
+    """A leaf is a tracer."""
+
+
 def _aval_key(x: Any) -> Any:
     # Weak types count, as for jax.jit: a Python float times bfloat16 is bfloat16, a float32
     # array times bfloat16 float32. The step returns a weak value weak (e.g. TrainState.step
-    # from a Python int), so a training loop keeps one program.
+    # from a Python int), so a training loop keeps one program. Typed key arrays have no
+    # weak_type attribute; a key is never weak.
+    if type(x) in _ARRAY_TYPES:  # the common case, per leaf and call: no aval built
+        return (x.shape, x.dtype, getattr(x, "weak_type", False))
     if isinstance(x, np.ndarray):
         return (x.shape, x.dtype, False)
-    if isinstance(x, jax.Array):  # the common case, per leaf and call: no aval built
-        # Typed key arrays have no weak_type attribute; a key is never weak.
+    if compat.is_tracer(x):
+        raise _Traced
+    if isinstance(x, jax.Array):
+        _ARRAY_TYPES.add(type(x))
         return (x.shape, x.dtype, getattr(x, "weak_type", False))
     aval = jax.typeof(x)
     return (tuple(aval.shape), aval.dtype, aval.weak_type)

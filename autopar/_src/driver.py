@@ -146,11 +146,19 @@ class Executable:
         self.routes: dict[tuple[Key, int, int], transfers.Route] = {}
         """The route of every stage-to-stage transfer, by ``(key, src, dst)``."""
         self._runs = [self._compile_instr(ins) for ins in self.program.instrs]
-        self._shardings = {
-            (key, s): self.sharding(key, s)
+        self._whole_inputs = [
+            ((key, s), self._arg_index[key[0]], self.sharding(key, s))
             for key, stages in self.program.input_stages.items()
+            if self._whole(key)
             for s in stages
-        }
+        ]
+        """``(location, argument leaf, sharding)`` of each argument leaf placed whole."""
+        home = self.program.home
+        self._outputs = [
+            (True, (k, home[k])) if isinstance(k, tuple) and k in home else (False, k)
+            for k in self.program.output_keys
+        ]
+        """Per output: ``(True, location)`` of a computed value, else ``(False, key)``."""
 
     # -- shardings ---------------------------------------------------------------------------
     def _stage_sharding(self, stage: int) -> StageSharding | None:
@@ -233,8 +241,16 @@ class Executable:
 
     def _place_inputs(self, leaves: Sequence[Any]) -> dict[tuple[Key, int], Any]:
         env: dict[tuple[Key, int], Any] = {}
-        nmb = self.plan.num_microbatches
         direct: list[tuple[tuple[Key, int], Any, NamedSharding]] = []
+        for loc, i, target in self._whole_inputs:
+            leaf = leaves[i]
+            held = getattr(leaf, "sharding", None)
+            if held is target or (held is not None and held == target):
+                env[loc] = leaf  # already in place: the state a step returned
+            elif isinstance(leaf, jax.Array) and isinstance(held, NamedSharding):
+                env[loc] = transfers.place(leaf, target, self._resharder)
+            else:
+                direct.append((loc, leaf, target))
         for key, stages in self.program.input_stages.items():
             var, tag = key
             for s in stages:
@@ -246,16 +262,7 @@ class Executable:
                         placed = transfers.put([self._consts[var]], [self.sharding(key, s)])
                         self._placed_consts[loc] = placed[0]
                     env[loc] = self._placed_consts[loc]
-                elif tag is None or nmb == 1:
-                    leaf = leaves[self._arg_index[var]]
-                    target = self._shardings[(key, s)]
-                    if isinstance(leaf, jax.Array) and leaf.sharding == target:
-                        env[(key, s)] = leaf  # already in place: the state a step returned
-                    elif isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding):
-                        env[(key, s)] = transfers.place(leaf, target, self._resharder)
-                    else:
-                        direct.append(((key, s), leaf, target))
-                else:
+                elif not self._whole(key):
                     parts = self._split(leaves[self._arg_index[var]], var, s)
                     for j, part in enumerate(parts):
                         if (var, j) in self.program.input_stages and s in self.program.input_stages[(var, j)]:
@@ -265,6 +272,10 @@ class Executable:
             placed = transfers.put([x for _, x, _ in direct], [sh for _, _, sh in direct])
             env.update(zip([loc for loc, _, _ in direct], placed, strict=True))
         return env
+
+    def _whole(self, key: Key) -> bool:
+        """Whether input ``key`` is an argument leaf passed whole (not split into microbatches)."""
+        return key[0] not in self._consts and (key[1] is None or self.plan.num_microbatches == 1)
 
     def _split(self, x: Any, var: Any, stage: int) -> tuple[Any, ...]:
         """Splits a batch leaf into microbatches on ``stage``'s mesh (rows stay local)."""
@@ -301,13 +312,12 @@ class Executable:
                 env[b] = self._resharder.move(env[a], c)
             for loc in frees:
                 del env[loc]
-        return [self._output(k, leaves, env) for k in self.program.output_keys]
+        return [env[where] if made else self._output(where, leaves) for made, where in self._outputs]
 
-    def _output(self, key: Any, leaves: Sequence[Any], env: dict[tuple[Key, int], Any]) -> Any:
+    def _output(self, key: Any, leaves: Sequence[Any]) -> Any:
+        """An output the step does not compute: a literal, an argument or a constant."""
         if not isinstance(key, tuple):
             return jnp.asarray(compat.literal_value(key))
-        if key in self.program.home:
-            return env[(key, self.program.home[key])]
         var = key[0]
         value = self._consts[var] if var in self._consts else leaves[self._arg_index[var]]
         # As jit returns them: an argument or constant passed through comes back as an array.
