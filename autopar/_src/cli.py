@@ -317,7 +317,7 @@ def add_calibrate(subparsers: Any) -> argparse.ArgumentParser:
         epilog="example: autopar calibrate --quick --devices 8 --out cluster.json",
     )
     parser.add_argument("--out", type=output_path, help="write the spec as JSON here")
-    parser.add_argument("--quick", action="store_true", help="smaller problems, fewer repeats")
+    parser.add_argument("--quick", action="store_true", help="shorter timed calls, fewer repeats")
     parser.add_argument(
         "--devices",
         type=positive_int,
