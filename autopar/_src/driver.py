@@ -105,7 +105,8 @@ class Executable:
         # placed copy may share: never donated to a task.
         returned = {k[0] for k in self.program.output_keys if isinstance(k, tuple)}
         donated_vars = {self.step.arg_vars[i] for i in self.donated_leaf_ids} - returned
-        partner = _step_aliases(self.step.arg_vars, self.donated_leaf_ids, self.program.output_keys)
+        made = [k for k in self.program.output_keys if isinstance(k, tuple) and k in self.program.home]
+        partner = _step_aliases(self.step.arg_vars, self.donated_leaf_ids, made)
         last_read: dict[int, set[Any]] = {}
         for ins in self.program.instrs:
             if isinstance(ins, Run):
@@ -330,18 +331,19 @@ def _is_accumulator(key: Key) -> bool:
 
 
 def _step_aliases(
-    arg_vars: Sequence[Any], donated_leaf_ids: Sequence[int], output_keys: Sequence[Any]
+    arg_vars: Sequence[Any], donated_leaf_ids: Sequence[int], output_keys: Sequence[Key]
 ) -> dict[Key, Any]:
-    """For each output key of the step, the donated argument whose buffer ``jax.jit`` of the
-    whole step would give it: outputs in order take the first unused donated argument of the
-    same shape and dtype (so a train state's new leaves take their old leaves' buffers)."""
+    """For each output the step computes (``output_keys``, in order), the donated argument
+    whose buffer ``jax.jit`` of the whole step would give it: outputs in order take the first
+    unused donated argument of the same shape and dtype (so a train state's new leaves take
+    their old leaves' buffers)."""
     free: dict[tuple[Any, ...], list[Any]] = {}
     for i in sorted(donated_leaf_ids):
         aval = arg_vars[i].aval
         free.setdefault((tuple(aval.shape), aval.dtype), []).append(arg_vars[i])
     partner: dict[Key, Any] = {}
     for key in output_keys:
-        if isinstance(key, tuple) and key not in partner:
+        if key not in partner:
             waiting = free.get((tuple(key[0].aval.shape), key[0].aval.dtype))
             if waiting:
                 partner[key] = waiting.pop(0)

@@ -35,14 +35,16 @@ from autopar._src.layout_costs import (
 from autopar._src.sharding_ilp import Strategy
 
 ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
-    "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp conj "
-    "convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 "
-    "floor ge gt imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg "
-    "nextafter not or population_count pow real reduce_precision rem round rsqrt select_n "
-    "shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square "
-    "stop_gradient sub tan tanh xor".split()
+    "abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil "
+    "clamp clz conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp "
+    "exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag integer_pow is_finite le lgamma log "
+    "log1p log2 logistic lt max min mul mulhi ne neg nextafter not one_minus_square or polygamma "
+    "population_count pow real reduce_precision rem round rsqrt select_n shift_left "
+    "shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient sub tan "
+    "tanh xor zeta".split()
 )
-"""Primitives whose output follows its operands dim by dim (size-1 dims broadcast)."""
+"""Primitives whose output follows its operands dim by dim (size-1 dims broadcast); jax 0.12
+adds ``log2`` and ``one_minus_square`` (``tanh``'s derivative)."""
 REDUCTION_PRIMITIVES: frozenset[str] = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin".split()
 )
