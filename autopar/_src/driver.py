@@ -154,6 +154,13 @@ class Executable:
             for s in stages
         ]
         """``(location, argument leaf, sharding)`` of each argument leaf placed whole."""
+        self._other_inputs = [
+            (key, s)
+            for key, stages in self.program.input_stages.items()
+            if not self._whole(key)
+            for s in stages
+        ]
+        """The locations of the other inputs: constants and microbatches of batch leaves."""
         home = self.program.home
         self._outputs = [
             (True, (k, home[k])) if isinstance(k, tuple) and k in home else (False, k)
@@ -252,22 +259,20 @@ class Executable:
                 env[loc] = transfers.place(leaf, target, self._resharder)
             else:
                 direct.append((loc, leaf, target))
-        for key, stages in self.program.input_stages.items():
-            var, tag = key
-            for s in stages:
-                if (key, s) in env:
-                    continue
-                if var in self._consts:
-                    loc = (key, s)
-                    if loc not in self._placed_consts:
-                        placed = transfers.put([self._consts[var]], [self.sharding(key, s)])
-                        self._placed_consts[loc] = placed[0]
-                    env[loc] = self._placed_consts[loc]
-                elif not self._whole(key):
-                    parts = self._split(leaves[self._arg_index[var]], var, s)
-                    for j, part in enumerate(parts):
-                        if (var, j) in self.program.input_stages and s in self.program.input_stages[(var, j)]:
-                            env[((var, j), s)] = part
+        for loc in self._other_inputs:
+            if loc in env:  # a microbatch an earlier split placed
+                continue
+            (var, _), s = loc
+            if var in self._consts:
+                if loc not in self._placed_consts:
+                    placed = transfers.put([self._consts[var]], [self.sharding(loc[0], s)])
+                    self._placed_consts[loc] = placed[0]
+                env[loc] = self._placed_consts[loc]
+            else:
+                parts = self._split(leaves[self._arg_index[var]], var, s)
+                for j, part in enumerate(parts):
+                    if (var, j) in self.program.input_stages and s in self.program.input_stages[(var, j)]:
+                        env[((var, j), s)] = part
         if direct:
             # One batched call for everything that has to move.
             placed = transfers.put([x for _, x, _ in direct], [sh for _, _, sh in direct])
