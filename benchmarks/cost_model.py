@@ -15,6 +15,9 @@ compares the model with the accelerators (device counts above what is there are 
     python benchmarks/cost_model.py --models gpt-tiny --devices 1 2 --runs 3
     python benchmarks/cost_model.py --cluster-file cluster.json  # a saved calibration instead
     python benchmarks/cost_model.py --platform default           # the default backend (e.g. GPUs)
+    python benchmarks/cost_model.py --measured-from benchmarks/results/cost_model_gpu1_2026-11-26.md \
+        --cluster-file benchmarks/results/calibrate_h200_gpu1_2026-11-26.json --preset h200 --batch-size 8
+                                          # re-predict recorded GPU measurements, on any machine
 
 The last line printed is ``median_ratio=<float>`` (calibrated predictions when there are some,
 else the preset's).
@@ -101,8 +104,13 @@ def build_cases(
     device_counts: list[int],
     batch_size: int,
     specs: dict[str, Any],
+    runnable: bool = True,
 ) -> tuple[list[Case], dict[str, Any]]:
-    """The measurements of one model and what the profile says about it."""
+    """The measurements of one model and what the profile says about it.
+
+    Without ``runnable`` the state stays abstract and the cases only predict (their ``fn``,
+    ``args`` and ``key`` are None): for measurements recorded on other devices.
+    """
     import jax
     import optax
     from jax.sharding import Mesh, NamedSharding
@@ -113,7 +121,11 @@ def build_cases(
     from models import train
 
     kind, config = model_config(name)
-    step, state = train.setup(kind, "linen", config, optax.sgd(0.1))
+    if runnable:
+        step, state = train.setup(kind, "linen", config, optax.sgd(0.1))
+    else:
+        step = train.linen_step(kind)
+        state = jax.eval_shape(lambda: train.linen_state(kind, config, optax.sgd(0.1)))
     batch = train.make_batch(kind, config, batch_size)
     num_state = len(jax.tree.leaves(state))
     batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
@@ -135,6 +147,24 @@ def build_cases(
     for n in device_counts:
         if batch_size % n:
             raise ValueError(f"--batch-size {batch_size} is not divisible by {n} devices; choose a multiple")
+        predicted, compute = {}, {}
+        for label, c in costs.items():
+            predicted[label], compute[label] = _predictions(c, prof.num_layers, n, specs[label].name)
+        label = f"{name} on {n} device(s)"
+        if not runnable:
+            cases.append(
+                Case(
+                    model=name,
+                    num_devices=n,
+                    label=label,
+                    fn=None,
+                    args=None,
+                    key=None,
+                    predicted=predicted,
+                    predicted_compute=compute,
+                )
+            )
+            continue
         fn = autopar.autoparallel(
             step, num_stages=1, num_microbatches=1, devices=devices[:n], sharding="data"
         )
@@ -154,14 +184,11 @@ def build_cases(
             ),
             device_kind=str(devices[0].device_kind),
         )
-        predicted, compute = {}, {}
-        for label, c in costs.items():
-            predicted[label], compute[label] = _predictions(c, prof.num_layers, n, specs[label].name)
         cases.append(
             Case(
                 model=name,
                 num_devices=n,
-                label=f"{name} on {n} device(s)",
+                label=label,
                 fn=fn,
                 args=placed,
                 key=key,
@@ -170,6 +197,42 @@ def build_cases(
             )
         )
     return cases, info
+
+
+def read_measurements(path: str) -> dict[tuple[str, int], float]:
+    """``(model, devices) -> measured seconds`` from the table of a results file of this script.
+
+    Raises:
+      ValueError: if the file has no such table.
+    """
+    with open(path, encoding="utf-8") as f:
+        lines = [line.strip() for line in f if line.startswith("|")]
+    if not lines or [c.strip() for c in lines[0].strip("|").split("|")][:3] != [
+        "model",
+        "devices",
+        "measured ms",
+    ]:
+        raise ValueError(
+            f"{path} has no 'model | devices | measured ms' table; pass a cost_model results file"
+        )
+    rows = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
+    return {(r[0], int(r[1])): float(r[2]) / 1e3 for r in rows}
+
+
+def _measure(cases: list[Case], args: Any) -> tuple[list[float], Any]:
+    """Median seconds of each case's step, one at a time, and the cost cache's counts."""
+    from autopar._src import measure
+
+    with tempfile.TemporaryDirectory(prefix="autopar-costs-") as tmp:
+        cache = measure.CostCache(args.cache_dir or tmp)
+        seconds = measure.measure_many(
+            [(c.label, c.fn, c.args, c.key) for c in cases],
+            cache,
+            progress=args.progress,
+            warmup=args.warmup,
+            runs=args.runs,
+        )
+        return seconds, cache.stats
 
 
 def _spread(ratios: list[float]) -> dict[str, float]:
@@ -222,28 +285,47 @@ def main(argv: list[str] | None = None) -> None:
         default="cpu",
         help="cpu: 8 simulated CPU devices; default: JAX's default backend (e.g. GPUs)",
     )
+    parser.add_argument(
+        "--measured-from",
+        metavar="RESULTS_MD",
+        help="predict the measurements of an earlier results file instead of measuring (e.g. a GPU "
+        "run re-predicted after a cost-model change); needs --cluster-file and --preset",
+    )
+    parser.add_argument("--preset", help="with --measured-from: the preset of the devices it measured")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     parser.add_argument("--out-dir", default=_common.RESULTS, help="directory of the results file")
     args = parser.parse_args(argv)
+    recorded = read_measurements(args.measured_from) if args.measured_from else None
+    if recorded is not None:
+        if not (args.cluster_file and args.preset):
+            raise ValueError(
+                f"--measured-from {args.measured_from} needs --cluster-file (the measured devices' "
+                "calibration) and --preset (their preset); the devices here are not the ones measured"
+            )
+        args.models = list(dict.fromkeys(m for m, _ in recorded))
+        args.devices = sorted({n for _, n in recorded})
     if args.platform == "cpu":
         _common.use_cpu_devices(8)
     _common.RESULTS = args.out_dir  # write_markdown reads it at call time
 
     import jax
 
-    from autopar._src import calibrate, cluster, measure, planning
+    from autopar._src import calibrate, cluster, planning
 
     start = time.perf_counter()
     load_before = os.getloadavg()[0]
     devices = jax.devices()
-    counts = [n for n in args.devices if n <= len(devices)]
+    counts = [n for n in args.devices if recorded is not None or n <= len(devices)]
     if len(counts) < len(args.devices):
         skipped = sorted(set(args.devices) - set(counts))
         print(f"skipping device counts {skipped}: only {len(devices)} devices")
     if not counts:
         raise ValueError(f"--devices {args.devices}: none fits the {len(devices)} available devices")
 
-    preset = planning.cluster_for(devices)
+    if recorded is not None:
+        preset = cluster.preset(args.preset, devices_per_host=max(counts))
+    else:
+        preset = planning.cluster_for(devices)
     specs: dict[str, Any] = {}
     calibration_seconds = 0.0
     if args.cluster_file:
@@ -263,20 +345,19 @@ def main(argv: list[str] | None = None) -> None:
     infos: dict[str, dict[str, Any]] = {}
     for name in args.models:
         model_cases, infos[name] = build_cases(
-            name, device_counts=counts, batch_size=args.batch_size, specs=specs
+            name,
+            device_counts=counts,
+            batch_size=args.batch_size,
+            specs=specs,
+            runnable=recorded is None,
         )
-        cases += model_cases
+        cases += [c for c in model_cases if recorded is None or (c.model, c.num_devices) in recorded]
 
-    with tempfile.TemporaryDirectory(prefix="autopar-costs-") as tmp:
-        cache = measure.CostCache(args.cache_dir or tmp)
-        seconds = measure.measure_many(
-            [(c.label, c.fn, c.args, c.key) for c in cases],
-            cache,
-            progress=args.progress,
-            warmup=args.warmup,
-            runs=args.runs,
-        )
-        stats = cache.stats
+    if recorded is not None:
+        seconds = [recorded[(c.model, c.num_devices)] for c in cases]
+        stats = None
+    else:
+        seconds, stats = _measure(cases, args)
 
     headers = ["model", "devices", "measured ms"]
     if "calibrated" in specs:
@@ -321,10 +402,14 @@ def main(argv: list[str] | None = None) -> None:
     notes = "\n".join(
         [
             "Ratio = predicted / measured step time (above 1: the model is pessimistic). Compute share = "
-            "the part of the calibrated prediction that is FLOPs over peak; the rest is the gradient "
-            "all-reduce, boundary sends and a fixed 0.1 ms per task.",
+            "the part of the calibrated prediction that is FLOPs over peak and memory traffic over "
+            "bandwidth; the rest is the gradient all-reduce, boundary sends and a fixed 0.1 ms per task.",
             "",
-            f"These {len(devices)} {platform} devices are simulated on a host with {os.cpu_count()} cores: "
+            f"Measurements read from {args.measured_from} (recorded there, not taken here); the "
+            "predictions are this version's."
+            if recorded is not None
+            else f"These {len(devices)} {platform} devices are simulated on a host with "
+            f"{os.cpu_count()} cores: "
             "the cost model divides a stage's FLOPs over its devices as if each had its own cores, so "
             "on this machine predictions fall increasingly below the measurement as the submesh grows "
             "past the core count, and the gradient all-reduce between simulated devices is memory "
@@ -341,8 +426,11 @@ def main(argv: list[str] | None = None) -> None:
             *tail,
         ]
     )
+    stem = os.path.splitext(os.path.basename(args.measured_from or ""))[0]
     path = _common.write_markdown(
-        "cost_model",
+        "cost_model_repredicted_" + stem.removeprefix("cost_model_")
+        if recorded is not None
+        else "cost_model",
         "Cost model: predicted vs measured single-stage step time",
         {
             "models": "; ".join(
@@ -363,7 +451,9 @@ def main(argv: list[str] | None = None) -> None:
             + f" (from {calibrated_from})",
             "preset spec": _spec_text(preset),
             "cost cache": f"{args.cache_dir or 'temporary directory'}: {stats.hits} hits, "
-            f"{stats.misses} misses, {stats.writes} writes",
+            f"{stats.misses} misses, {stats.writes} writes"
+            if stats is not None
+            else "none (measurements read from a file)",
             "runtime": f"{elapsed:.0f} s in all",
             # Other work on the host shows up in the measured times (not in the predictions).
             "host load": f"1-minute load average {load_before:.1f} at the start, "

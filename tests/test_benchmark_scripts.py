@@ -150,6 +150,39 @@ def test_gpu_single_tiny_ends_with_mfu(tmp_path):
     assert md.startswith("gpu_single_") and "jax.jit" in (tmp_path / md).read_text()
 
 
+def test_cost_model_repredicts_recorded_measurements_without_measuring(tmp_path):
+    from autopar._src import cluster
+
+    spec = cluster.preset("h200", devices_per_host=1)
+    spec.save(tmp_path / "h200.json")
+    recorded = tmp_path / "cost_model_gpu1_2026-01-01.md"
+    # A results file of measurements from other devices (a GPU run), with its table alone.
+    recorded.write_text(
+        "# Cost model\n\n| model | devices | measured ms | predicted ms (calibrated) |\n"
+        "|---|---|---|---|\n| mlp | 1 | 0.50 | 9.99 |\n| bert-tiny | 1 | 2.00 | 9.99 |\n"
+    )
+    args = ["--measured-from", str(recorded), "--cluster-file", str(tmp_path / "h200.json")]
+    lines = _run("cost_model.py", *args, "--preset", "h200", "--no-progress", "--out-dir", str(tmp_path))
+    ratio = float(re.fullmatch(r"median_ratio=(\S+)", lines[-1])[1])
+    [md] = [p for p in os.listdir(tmp_path) if p.startswith("cost_model_repredicted_gpu1_2026-01-01_")]
+    text = (tmp_path / md).read_text()
+    assert (
+        "Measurements read from" in text
+        and "| mlp | 1 | 0.50 |" in text
+        and "| bert-tiny | 1 | 2.00 |" in text
+    )
+    # The predictions are this version's, not the file's.
+    assert "9.99" not in text and 0 < ratio < 9.99 / 0.5
+    proc = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", "cost_model.py"), "--measured-from", str(recorded)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "needs --cluster-file" in proc.stderr
+
+
 def test_gradient_reductions_tiny_defers_and_ends_with_the_speedup(tmp_path):
     lines = _run(
         "gradient_reductions.py", "--hidden", "128", "--batch-size", "1024", "--microbatches", "2",

@@ -2,7 +2,8 @@
 
 Analytic costs feed Alpa's stage DP (:func:`autopar._src.stages.solve_stages`):
 a stage's latency per microbatch is its forward+backward FLOPs over the devices'
-peak, plus tensor-parallel all-reduces of activations, the data-parallel gradient
+peak and the bytes its memory-bound equations move (:mod:`autopar._src.fusion`) over
+their memory bandwidth, plus tensor-parallel all-reduces of activations, the data-parallel gradient
 all-reduce spread over the step's microbatches, the point-to-point copy of its
 boundary activations and a fixed dispatch cost per task; its memory is parameters,
 gradients and optimizer state (divided over the tensor-parallel axis) plus the
@@ -193,6 +194,8 @@ def stage_costs(
         return np.where(prefix(unpriced) > 0, np.inf, prefix(np.where(unpriced, 0.0, x)))
 
     flops = ranges((profile.forward_flops + profile.backward_flops) * batch_scale)
+    traffic = profile.forward_traffic + profile.backward_traffic
+    traffic = ranges((traffic if traffic.size else np.zeros(n_layers)) * batch_scale)
     params = ranges(profile.param_bytes)
     acts = ranges(profile.boundary_bytes * batch_scale)
     out_bytes = np.broadcast_to(profile.boundary_bytes[None, :] * batch_scale, (n_layers, n_layers))
@@ -201,7 +204,8 @@ def stage_costs(
     for k, mesh in enumerate(submeshes):
         link = cluster_mod.link_for(spec, mesh)
         for q, (dp, tp) in enumerate(logical[k]):
-            compute = flops / (dp * tp * peak)
+            # Both shrink with the devices: each one's share of the batch, or of the split dims.
+            compute = (flops / peak + traffic / spec.device.memory_bandwidth) / (dp * tp)
             # Megatron-style: two all-reduces of the activations per layer, forward and backward.
             tp_comm = 4 * _allreduce(acts / dp, tp, link)
             grad_sync = _allreduce(params / tp, dp, link) / num_microbatches

@@ -1,10 +1,10 @@
 """What each forward layer costs, read off the traced step (no devices, no compile).
 
-From the differentiated, marked loss: FLOPs of each layer's forward and backward,
-bytes of the parameters it owns, bytes of the activations its forward keeps for
-its backward (per microbatch), and bytes crossing the boundary after it. From the
-whole step: how many bytes of state (optimizer moments, ...) come with each byte of
-parameters.
+From the differentiated, marked loss: FLOPs of each layer's forward and backward, the
+bytes its memory-bound equations move, bytes of the parameters it owns, bytes of the
+activations its forward keeps for its backward (per microbatch), and bytes crossing the
+boundary after it. From the whole step: how many bytes of state (optimizer moments, ...)
+come with each byte of parameters.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import compat, cost, layers, partition
+from autopar._src import compat, cost, fusion, layers, partition
 from autopar._src.trace import TracedStep
 
 
@@ -48,6 +48,11 @@ class LayerProfile:
     """Bytes of batch inputs each layer reads first, per microbatch."""
     param_layer: dict[Any, int] = dataclasses.field(default_factory=dict)
     """For each step input var that is a differentiated parameter: the layer that reads it first."""
+    forward_traffic: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """Bytes each layer's forward moves through device memory outside its heavy operations
+    (:func:`autopar._src.fusion.equation_traffic`); empty: not profiled, priced as none."""
+    backward_traffic: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """The same for each layer's backward."""
 
     @property
     def num_layers(self) -> int:
@@ -76,7 +81,9 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     rows = step.arg_vars[batch_leaf_ids[0]].aval.shape[0] if batch_leaf_ids else 0
     backward_peak = np.zeros(num_layers)
     backward_peak_rep = np.zeros(num_layers)
-    for eqn, (layer, pass_) in zip(rj.eqns, where, strict=True):
+    traffic = {"F": np.zeros(num_layers), "B": np.zeros(num_layers)}
+    for eqn, (layer, pass_), moved in zip(rj.eqns, where, fusion.equation_traffic(rj), strict=True):
+        traffic[pass_][layer] += moved
         if pass_ == "B":
             for v in eqn.outvars:
                 if compat.is_dropvar(v):
@@ -147,4 +154,6 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
         backward_peak_replicated_bytes=backward_peak_rep,
         batch_bytes=batch_bytes,
         param_layer=param_layer,
+        forward_traffic=traffic["F"],
+        backward_traffic=traffic["B"],
     )
