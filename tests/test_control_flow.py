@@ -135,11 +135,13 @@ class _Gated(nn.Module):
 
 
 class _Branchy(nn.Module):  # a cond whose branches hold matmuls
+    width: int = 64
+
     @nn.compact
     def __call__(self, x):
         gate = self.param("gate", lambda key: jnp.ones(()))
-        w = self.param("w", nn.initializers.lecun_normal(), (32, 64))
-        v = self.param("v", nn.initializers.lecun_normal(), (32, 64))
+        w = self.param("w", nn.initializers.lecun_normal(), (32, self.width))
+        v = self.param("v", nn.initializers.lecun_normal(), (32, self.width))
         h = nn.Dense(32)(x)
         h = jax.lax.cond(gate > 0, lambda a: jax.nn.gelu(a @ w), lambda a: jnp.tanh(a @ v), h)
         return nn.Dense(10)(h)
@@ -161,12 +163,15 @@ def test_cond_branches_expand_into_their_equations_tied_to_the_results():
 
 
 def test_cond_branches_are_laid_out_inside_and_match_jit():
-    model = _Branchy()
-    params = model.init(jax.random.key(1), jnp.ones((16, 16)))["params"]
+    # Large enough that splitting the branches' work pays for its collectives (a tiny cond is
+    # cheapest replicated).
+    model = _Branchy(width=256)
+    params = model.init(jax.random.key(1), jnp.ones((256, 16)))["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
     options = dict(num_stages=1, num_microbatches=2, mesh_shape=(2, 4))
-    par = assert_same_as_jit(_mlp_step(), state, _batches(), TOLERANCES["sgd"], **options)
-    exe = par.executable(state, _batches(1)[0])
+    batches = _batches(rows=256)
+    par = assert_same_as_jit(_mlp_step(), state, batches, TOLERANCES["sgd"], **options)
+    exe = par.executable(state, batches[0])
     # The forward's cond and its backward's (the transposed branches) are laid out inside.
     conds = {
         id(op.eqn)
@@ -192,9 +197,11 @@ def _mlp_step(post=lambda grads: grads):
     return step
 
 
-def _batches(n=3):
+def _batches(n=3, rows=16):
     keys = jax.random.split(jax.random.key(7), n)
-    return [{"x": jax.random.normal(k, (16, 16)), "y": (jnp.arange(16) + i) % 10} for i, k in enumerate(keys)]
+    return [
+        {"x": jax.random.normal(k, (rows, 16)), "y": (jnp.arange(rows) + i) % 10} for i, k in enumerate(keys)
+    ]
 
 
 @pytest.mark.parametrize("sharding", ["data", "auto"])

@@ -1,4 +1,4 @@
-"""Memory traffic as XLA's fusion leaves it, and its place in the analytic stage costs."""
+"""Memory traffic as XLA's fusion leaves it: the rule, the ILP's nodes and the analytic stage costs."""
 
 import dataclasses
 
@@ -9,33 +9,49 @@ import optax
 import pytest
 
 from autopar._src import cluster, fusion, planner, planning, profile, trace
+from autopar._src.expansion import expand_calls
+from autopar._src.strategies import MeshSpec
+from autopar._src.strategy_graph import GraphOp, build_graph
 from models import train
 
 F32 = jax.ShapeDtypeStruct((64, 32), jnp.float32)
 BYTES = 64 * 32 * 4
+WRITE = fusion.TRAFFIC_PER_WRITE * BYTES
+
+
+def _ops(fn, *args):
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+
+    def name(v):
+        return None if isinstance(v, jax.extend.core.Literal) else v
+
+    ops, alias = [], {}
+    for e in jaxpr.eqns:
+        ops += expand_calls(GraphOp(e, tuple(map(name, e.invars)), tuple(map(name, e.outvars))), alias, [])
+    return ops
 
 
 def _traffic(fn, *args):
-    return fusion.equation_traffic(jax.make_jaxpr(fn)(*args).jaxpr)
+    return fusion.op_traffic(_ops(fn, *args))
 
 
 def test_an_elementwise_chain_writes_only_its_result():
-    # exp and sin fuse into the mul's loop; only the output is written (and read back once).
+    # exp and sin fuse into the add's loop; only the result, which leaves, is written and read back.
     traffic = _traffic(lambda x: jnp.exp(x) * jnp.sin(x) + 1.0, F32)
-    assert sum(traffic) == fusion.TRAFFIC_PER_WRITE * BYTES
-    assert traffic[-1] == fusion.TRAFFIC_PER_WRITE * BYTES
+    assert sum(traffic) == WRITE and traffic[-1] == WRITE
 
 
 def test_a_value_a_matmul_reads_is_written_and_the_matmul_moves_nothing():
     w = jax.ShapeDtypeStruct((32, 16), jnp.float32)
-    traffic = _traffic(lambda x, w: jnp.tanh(x) @ w, F32, w)
-    assert traffic == [fusion.TRAFFIC_PER_WRITE * BYTES, 0.0]
+    assert _traffic(lambda x, w: jnp.tanh(x) @ w, F32, w) == [WRITE, 0.0]
 
 
-def test_reductions_and_broadcasts_fuse_so_a_softmax_writes_its_result():
-    traffic = _traffic(lambda x: jax.nn.softmax(x, axis=-1), F32)
-    # The call's body holds the whole softmax; its output leaves the body and is written.
-    assert sum(traffic) == fusion.TRAFFIC_PER_WRITE * BYTES
+def test_a_softmax_inside_its_call_writes_its_result_and_no_broadcast():
+    # Reductions, their broadcasts back and the scalar fill of the max are fused or recomputed.
+    assert sum(_traffic(lambda x: jax.nn.softmax(x, axis=-1), F32)) == WRITE
+    ops = _ops(lambda x: jnp.where(x > 0, x, 0.0), F32)
+    assert any(fusion.regenerated(op.eqn) for op in ops)
+    assert sum(fusion.op_traffic(ops)) == WRITE
 
 
 def test_a_scan_body_is_charged_once_per_iteration():
@@ -43,8 +59,36 @@ def test_a_scan_body_is_charged_once_per_iteration():
         return c, jnp.exp(x) * 2.0
 
     xs = jax.ShapeDtypeStruct((5, 64, 32), jnp.float32)
-    traffic = _traffic(lambda xs: jax.lax.scan(body, 0.0, xs)[1], xs)
-    assert sum(traffic) == 5 * fusion.TRAFFIC_PER_WRITE * BYTES
+    ops = _ops(lambda xs: jax.lax.scan(body, 0.0, xs)[1], xs)
+    mul = next(k for k, op in enumerate(ops) if op.eqn.primitive.name == "mul")
+    # The product is stacked into the result by an op of its own, which reads it in the loop.
+    assert ops[mul].weight == 5
+    assert fusion.written_outputs(ops)[mul] == (False,)
+    assert sum(fusion.op_traffic(ops)) >= 5 * WRITE
+
+
+def test_a_value_another_task_reads_is_written():
+    exp, mul = _ops(lambda x: jnp.exp(x) * 2.0, F32)
+    assert fusion.written_outputs([exp, mul]) == [(False,), (True,)]
+    apart = [exp._replace(task="forward"), mul._replace(task="backward")]
+    assert fusion.written_outputs(apart) == [(True,), (True,)]
+
+
+def test_the_ilp_charges_the_written_bytes_as_each_layout_splits_them():
+    mesh = MeshSpec(
+        axis_names=("data", "model"),
+        axis_sizes=(2, 1),
+        bandwidth=(1e11, 1e11),
+        latency=(1e-6, 1e-6),
+        peak_flops=1e12,
+        memory_bandwidth=1e12,
+    )
+    nodes, _, _ = build_graph(jax.make_jaxpr(lambda x: jnp.exp(x) * 2.0)(F32), mesh)
+    exp, mul = nodes[1:]
+    assert all(s.compute_cost == 0 for s in exp.strategies)  # fused into the mul
+    costs = {s.output_specs[0]: s.compute_cost for s in mul.strategies}
+    assert costs[(None, None)] == pytest.approx(WRITE / 1e12)
+    assert costs[("data", None)] == pytest.approx(WRITE / 2 / 1e12)
 
 
 def test_the_analytic_stage_costs_price_the_traffic_over_memory_bandwidth():

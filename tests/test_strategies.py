@@ -227,8 +227,8 @@ def test_elementwise_follows_operand_and_keeps_broadcast_dims_replicated():
     strategies = eqn_strategies(eqn, mesh(2, 4))
     assert {s.output_specs[0] for s in strategies} >= {(None, None), ("data", None), (None, "model")}
     assert all(s.input_specs == s.output_specs for s in strategies)
-    split = by_name(strategies)["split[d0@data]"]
-    assert split.compute_cost == pytest.approx(64 * 32 * 4 / 2 / MEM_BW)  # the output it writes
+    # Memory-bound: no compute of its own; the strategy graph charges what fusion writes.
+    assert all(s.compute_cost == 0 for s in strategies)
 
     eqn = first_eqn(lambda a, b: a - b, X, jnp.ones((64, 1)), primitive="sub")
     for s in eqn_strategies(eqn, mesh(2, 4)):

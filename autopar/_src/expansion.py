@@ -14,7 +14,8 @@ from typing import Any
 
 import jax
 
-from autopar._src import compat
+from autopar._src import compat, layers
+from autopar._src.stage_values import alias_root
 from autopar._src.strategies import elementwise_call
 from autopar._src.strategy_graph import GraphOp, Inner, Tie
 
@@ -174,3 +175,33 @@ def _expand_cond(
         if out is not None and first != out:
             alias[out] = first
     return ops
+
+
+def region_ops(
+    jaxpr: Any, where: Sequence[tuple[int, str]], num_layers: int
+) -> tuple[list[GraphOp], dict[Any, Any], list[list[Tie]]]:
+    """The grad region's equations as strategy-graph ops, calls and loops expanded.
+
+    ``where`` gives each equation's ``(layer, pass)`` (see
+    :func:`autopar._src.partition.layer_placement`), which becomes its ops' ``task``. Layer
+    boundary markers are identities: their outputs are aliases of their operands.
+
+    Returns:
+      ``(ops, alias, ties)``: ``ties`` per layer (see :func:`expand_calls`).
+    """
+    alias: dict[Any, Any] = {}
+
+    def name(v: Any) -> Any:
+        return None if compat.is_literal(v) or compat.is_dropvar(v) else alias_root(alias, v)
+
+    ops: list[GraphOp] = []
+    ties: list[list[Tie]] = [[] for _ in range(num_layers)]
+    for eqn, (layer, pass_) in zip(jaxpr.eqns, where, strict=True):
+        if layers.is_boundary(eqn):
+            for a, v in zip(eqn.invars, eqn.outvars, strict=True):
+                if name(a) is not None and not compat.is_dropvar(v):
+                    alias[v] = name(a)
+            continue
+        op = GraphOp(eqn, tuple(map(name, eqn.invars)), tuple(map(name, eqn.outvars)))
+        ops += [o._replace(task=(layer, pass_)) for o in expand_calls(op, alias, ties[layer])]
+    return ops, alias, ties

@@ -1,28 +1,31 @@
-"""Memory traffic of a jaxpr's memory-bound equations, as XLA's fusion leaves it.
+"""Memory traffic of memory-bound equations, as XLA's fusion leaves it.
 
 XLA fuses chains of elementwise, broadcasting, reshaping and reducing equations into loops
 that keep their intermediates in registers: a value is written to device memory only when
 something that cannot fuse it reads it (a matmul or convolution, a gather or scatter, a
-call boundary) or when it leaves the computation (a stage output, a value the backward
-stashes). Each value written is read back once. Charging every equation's output instead
-(what the sharding ILP does per equation) counts 364 GB for a GPT-350M step of 8 x 1024
-tokens, five times what an H200 moves in the step's measured time.
+sort) or when it leaves the task that makes it (a stage output, a value the backward
+stashes, a gradient). Each value written is read back once. Charging every equation's
+output instead counts 364 GB for a GPT-350M step of 8 x 1024 tokens, five times what an H200
+moves in the step's measured time.
 
-Heavy equations (``dot_general``, convolutions) are priced by their FLOPs
-(:mod:`autopar._src.cost`) and write nothing here.
+Heavy equations (those with FLOPs: ``dot_general``, convolutions) are priced by their FLOPs
+(:mod:`autopar._src.cost`) and charged no traffic here. The rule works on the strategy
+graph's flat equations (:class:`~autopar._src.strategy_graph.GraphOp`, calls and loops
+expanded by :func:`~autopar._src.expansion.expand_calls`), so the analytic profile and the
+sharding ILP price the same bytes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-import jax.extend.core as jcore
+from autopar._src import cost
+from autopar._src.strategies import ELEMENTWISE_PRIMITIVES, REDUCTION_PRIMITIVES, elementwise_call
 
-from autopar._src import compat, cost
-from autopar._src.strategies import ELEMENTWISE_PRIMITIVES, REDUCTION_PRIMITIVES
+if TYPE_CHECKING:  # strategy_graph prices its nodes with this module
+    from autopar._src.strategy_graph import GraphOp
 
-HEAVY_PRIMITIVES: frozenset[str] = frozenset({"dot_general", "conv_general_dilated"})
-"""Equations priced by FLOPs."""
 FUSIBLE_PRIMITIVES: frozenset[str] = (
     ELEMENTWISE_PRIMITIVES
     | REDUCTION_PRIMITIVES
@@ -36,45 +39,48 @@ TRAFFIC_PER_WRITE = 2
 """Memory passes per value written: the write and one read back."""
 
 
-def _subjaxprs(eqn: Any) -> list[Any]:
-    return [compat.jaxpr_and_consts(s)[0] for s in jcore.jaxprs_in_params(eqn.params)]
+def fusible(eqn: Any) -> bool:
+    """Whether XLA fuses ``eqn`` into one loop with the producers of its operands."""
+    return eqn.primitive.name in FUSIBLE_PRIMITIVES or elementwise_call(eqn)
 
 
-def equation_traffic(jaxpr: Any) -> list[float]:
-    """Bytes of memory traffic each top-level equation of ``jaxpr`` causes.
+def regenerated(eqn: Any) -> bool:
+    """Whether XLA recomputes ``eqn``'s output wherever it is read instead of storing it: an
+    ``iota``, or a scalar broadcast to a shape (a mask's fill value, a zero gradient)."""
+    name = eqn.primitive.name
+    return name == "iota" or (name == "broadcast_in_dim" and not getattr(eqn.invars[0].aval, "shape", ()))
 
-    An equation with nested jaxprs (``custom_jvp_call``, ``checkpoint``, ``scan``, ``cond``,
-    ``while``, ...) is charged its bodies' traffic, a ``scan`` body ``length`` times; the
-    bodies' outputs are written. Heavy equations are charged nothing.
+
+def written_outputs(ops: Sequence[GraphOp]) -> list[tuple[bool, ...]]:
+    """Per op, per output: whether the value is written to memory and charged as traffic.
+
+    A heavy op's outputs are not charged (its FLOPs price it), nor are :func:`regenerated`
+    ones. Another op's output is written when an op that is not :func:`fusible` reads it,
+    when an op of another task reads it, or when no op of ``ops`` does (it leaves them).
     """
-    readers: dict[Any, list[Any]] = {}
-    for eqn in jaxpr.eqns:
-        for a in eqn.invars:
-            if not compat.is_literal(a):
-                readers.setdefault(a, []).append(eqn)
-    outputs = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+    readers: dict[Any, list[GraphOp]] = {}
+    for op in ops:
+        for name in op.ins:
+            if name is not None:
+                readers.setdefault(name, []).append(op)
 
-    def written(v: Any) -> bool:
-        return v in outputs or any(r.primitive.name not in FUSIBLE_PRIMITIVES for r in readers.get(v, ()))
+    def written(name: Any, op: GraphOp) -> bool:
+        rs = readers.get(name)
+        return not rs or any(r.task != op.task or not fusible(r.eqn) for r in rs)
 
-    traffic = []
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        bodies = _subjaxprs(eqn)
-        if name in HEAVY_PRIMITIVES:
-            traffic.append(0.0)
-        elif bodies:
-            repeat = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
-            traffic.append(repeat * sum(sum(equation_traffic(b)) for b in bodies))
-        else:
-            traffic.append(
-                TRAFFIC_PER_WRITE
-                * float(
-                    sum(
-                        cost.aval_bytes(v.aval)
-                        for v in eqn.outvars
-                        if not compat.is_dropvar(v) and written(v)
-                    )
-                )
-            )
-    return traffic
+    return [
+        tuple(False for _ in op.outs)
+        if cost.eqn_flops(op.eqn) or regenerated(op.eqn)
+        else tuple(name is not None and written(name, op) for name in op.outs)
+        for op in ops
+    ]
+
+
+def op_traffic(ops: Sequence[GraphOp]) -> list[float]:
+    """Bytes of memory traffic each op causes per step (its weight included), its values whole."""
+    return [
+        TRAFFIC_PER_WRITE
+        * op.weight
+        * float(sum(cost.aval_bytes(v.aval) for v, w in zip(op.eqn.outvars, flags, strict=True) if w))
+        for op, flags in zip(ops, written_outputs(ops), strict=True)
+    ]

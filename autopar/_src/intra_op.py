@@ -141,7 +141,7 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
     ops: list[GraphOp] = []
     ties: list[Tie] = []
     seen: set[int] = set()
-    for t in program.tasks:
+    for task, t in enumerate(program.tasks):
         if t.stage != stage:
             continue
         for op in t.ops:
@@ -157,7 +157,8 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
                 seen.add(id(op.eqn))
                 ins = tuple(resolve(k) for k in op.ins)
                 outs = tuple(None if k is None else resolve(k) for k in op.outs)
-                ops += expand_calls(GraphOp(op.eqn, ins, outs, count[id(op.eqn)]), alias, ties)
+                expanded = expand_calls(GraphOp(op.eqn, ins, outs, count[id(op.eqn)]), alias, ties)
+                ops += [o._replace(task=task) for o in expanded]  # the first task that runs it
     return ops, alias, ties
 
 

@@ -28,9 +28,9 @@ from typing import Any, Literal
 import numpy as np
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, deferred, layers, partial_chains, partition
+from autopar._src import compat, deferred, partial_chains, partition
 from autopar._src.collectives import Spec
-from autopar._src.expansion import expand_calls
+from autopar._src.expansion import region_ops
 from autopar._src.ilp_merge import solve_merged
 from autopar._src.intra_op import logical_mesh
 from autopar._src.layout_costs import MeshSpec, divides, shape_of
@@ -52,21 +52,14 @@ class LayerProblems:
     def __init__(self, step: TracedStep):
         at, info, where = partition.layer_placement(step)
         rj = info.jaxpr
-        alias: dict[Any, Any] = {}
+        all_ops, alias, ties = region_ops(rj, where, len(info.cuts) + 1)
+        ops: list[list[GraphOp]] = [[] for _ in ties]
+        for op in all_ops:
+            ops[op.task[0]].append(op)
 
         def name(v: Any) -> Any:
             return None if compat.is_literal(v) or compat.is_dropvar(v) else alias_root(alias, v)
 
-        ops: list[list[GraphOp]] = [[] for _ in range(len(info.cuts) + 1)]
-        ties: list[list[Tie]] = [[] for _ in ops]
-        for eqn, (layer, _) in zip(rj.eqns, where, strict=True):
-            if layers.is_boundary(eqn):
-                for a, v in zip(eqn.invars, eqn.outvars, strict=True):
-                    if name(a) is not None and not compat.is_dropvar(v):
-                        alias[v] = name(a)
-                continue
-            op = GraphOp(eqn, tuple(map(name, eqn.invars)), tuple(map(name, eqn.outvars)))
-            ops[layer] += expand_calls(op, alias, ties[layer])
         self.ops = ops
         """Per layer, its forward and backward equations (boundary markers are identities)."""
         self.ties = ties

@@ -195,21 +195,16 @@ def priced_strategy(
       mesh: the mesh.
       in_specs: per invar (literals too), the spec the layout needs.
       out_specs: per outvar, the spec the layout produces.
-      flops: the equation's FLOPs; when given, compute is FLOPs over the devices sharing them
-        (the product of the axes any spec uses) over peak FLOP/s, else the bytes the equation
-        writes per device over memory bandwidth. XLA fuses chains of memory-bound equations
-        into single loops that do not read intermediates back, so an equation's operands are
-        not charged again: counting them too overstated an optimizer update several times
-        and made the ILP shard it at the price of real collectives.
+      flops: the equation's FLOPs; compute is FLOPs over the devices sharing them (the
+        product of the axes any spec uses) over peak FLOP/s. A memory-bound equation (no
+        FLOPs) computes nothing here: the strategy graph charges the outputs XLA's fusion
+        writes to memory (:mod:`autopar._src.fusion`), which depends on who reads them.
       comm: seconds of the collectives the layout issues.
       weight: index of the operand (a parameter) whose share counts towards memory with the outputs.
     """
     outs = sum(share_bytes(v, s, mesh) for v, s in zip(eqn.outvars, out_specs, strict=True))
-    if flops:
-        shards = math.prod(mesh.size(a) for a in spec_axes(*in_specs, *out_specs))
-        compute = flops / shards / mesh.peak_flops
-    else:
-        compute = outs / mesh.memory_bandwidth
+    shards = math.prod(mesh.size(a) for a in spec_axes(*in_specs, *out_specs))
+    compute = flops / shards / mesh.peak_flops
     memory = outs + (share_bytes(eqn.invars[weight], in_specs[weight], mesh) if weight is not None else 0.0)
     return Strategy(
         name=name,

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import compat, cost, fusion, layers, partition
+from autopar._src import compat, cost, expansion, fusion, layers, partition
 from autopar._src.trace import TracedStep
 
 
@@ -50,7 +50,7 @@ class LayerProfile:
     """For each step input var that is a differentiated parameter: the layer that reads it first."""
     forward_traffic: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     """Bytes each layer's forward moves through device memory outside its heavy operations
-    (:func:`autopar._src.fusion.equation_traffic`); empty: not profiled, priced as none."""
+    (:func:`autopar._src.fusion.op_traffic`, each layer's pass a task); empty: priced as none."""
     backward_traffic: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     """The same for each layer's backward."""
 
@@ -82,8 +82,10 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     backward_peak = np.zeros(num_layers)
     backward_peak_rep = np.zeros(num_layers)
     traffic = {"F": np.zeros(num_layers), "B": np.zeros(num_layers)}
-    for eqn, (layer, pass_), moved in zip(rj.eqns, where, fusion.equation_traffic(rj), strict=True):
-        traffic[pass_][layer] += moved
+    graph_ops = expansion.region_ops(rj, where, num_layers)[0]
+    for op, moved in zip(graph_ops, fusion.op_traffic(graph_ops), strict=True):
+        traffic[op.task[1]][op.task[0]] += moved
+    for eqn, (layer, pass_) in zip(rj.eqns, where, strict=True):
         if pass_ == "B":
             for v in eqn.outvars:
                 if compat.is_dropvar(v):

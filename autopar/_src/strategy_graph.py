@@ -10,13 +10,14 @@ producer-consumer pair priced by resharding. :func:`build_graph` does this for a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from autopar._src import compat, cost
+from autopar._src import compat, cost, fusion
 from autopar._src.collectives import Spec, resharding_cost
 from autopar._src.layout_costs import MeshSpec, all_specs, shape_of, share_bytes, spec_name
 from autopar._src.sharding_ilp import Edge, Node, Strategy
@@ -53,6 +54,9 @@ class GraphOp(NamedTuple):
     """Per outvar, the value made, or None for a dropped output."""
     weight: int = 1
     """How many times the equation runs per step (its costs are multiplied by this)."""
+    task: Any = None
+    """The task (executable) the equation runs in; a value another task reads is written to
+    memory (see :mod:`autopar._src.fusion`)."""
 
 
 class Inner(NamedTuple):
@@ -135,12 +139,14 @@ def graph_of(
             cache[key] = resharding_cost(*key, *link)
         return cache[key]
 
-    for j, op in enumerate(ops):
+    for j, (op, written) in enumerate(zip(ops, fusion.written_outputs(ops), strict=True)):
         for name, v in zip(op.ins, op.eqn.invars, strict=True):
             if name is not None and name not in producer:
                 add_input(name, v)
         dst = len(nodes)
         strategies = eqn_strategies(op.eqn, mesh)
+        if any(written):
+            strategies = tuple(_with_traffic(s, op.eqn.outvars, written, mesh) for s in strategies)
         if op.weight != 1:
             strategies = tuple(_scaled(s, op.weight) for s in strategies)
         node = Node(name=f"eqn{j}:{op.eqn.primitive.name}", strategies=strategies)
@@ -186,6 +192,16 @@ def graph_of(
         costs[(a, b)] = costs[(a, b)] + matrix if (a, b) in costs else matrix
     edges = tuple(Edge(src=src, dst=dst, cost=m) for (src, dst), m in costs.items())
     return tuple(nodes), edges, producer
+
+
+def _with_traffic(s: Strategy, outvars: Sequence[Any], written: Sequence[bool], mesh: MeshSpec) -> Strategy:
+    """``s`` charged the memory traffic of the outputs it writes, as they are laid out."""
+    moved = sum(
+        share_bytes(v, spec, mesh) for v, spec, w in zip(outvars, s.output_specs, written, strict=True) if w
+    )
+    return dataclasses.replace(
+        s, compute_cost=s.compute_cost + fusion.TRAFFIC_PER_WRITE * moved / mesh.memory_bandwidth
+    )
 
 
 def _scaled(s: Strategy, weight: int) -> Strategy:
