@@ -98,11 +98,14 @@ def _ilp_candidates(batch_size: int, ilp_microbatches: tuple[int, ...]) -> tuple
     return tuple(b for b in ilp_microbatches if batch_size % b == 0)
 
 
-def _flops_bound(prof, spec) -> float:
+def _compute_bound(prof, spec) -> float:
     """The analytic costs' lower bound on any plan's step: the step's FLOPs over all devices'
-    peak (every stage's compute term is its FLOPs over its devices' peak)."""
+    peak plus its memory traffic over all devices' bandwidth (every stage's compute term is
+    both over its devices)."""
     flops = float((prof.forward_flops + prof.backward_flops).sum())
-    return flops / (spec.num_devices * spec.device.flops(prof.dtype))
+    traffic = float((prof.forward_traffic + prof.backward_traffic).sum())
+    device = spec.device
+    return (flops / device.flops(prof.dtype) + traffic / device.memory_bandwidth) / spec.num_devices
 
 
 def plan_cell(
@@ -154,7 +157,7 @@ def plan_cell(
         prof = _plan_ilp.trace_microbatch(
             step, state, batch, batch_size=batch_size, num_microbatches=1, num_layers=num_layers
         )[1]
-        bounds = [_flops_bound(prof, spec)]
+        bounds = [_compute_bound(prof, spec)]
         candidates = planner.microbatch_candidates(batch_size, max_microbatches=max_microbatches)
     trace_seconds = time.perf_counter() - t0
 

@@ -212,7 +212,7 @@ def results_notes(
             "microbatches over N, since no layout gives an equation on n devices less than 1/n of its "
             "one-device cost"
             if costs == "ilp"
-            else "the step's FLOPs over N devices' peak"
+            else "the step's FLOPs over N devices' peak plus its memory traffic over their bandwidth"
         )
         + " (perfect scaling, free communication, no bubble). `grid / bound` is therefore the most any "
         "plan could gain over the best grid: a target above it cannot be reached in that cell. "
