@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_strategies import MEM_BW, mesh
 
 from autopar._src import cluster, fusion, planner, planning, profile, trace
 from autopar._src.expansion import expand_calls
-from autopar._src.strategies import MeshSpec
 from autopar._src.strategy_graph import GraphOp, build_graph
 from models import train
 
@@ -75,20 +75,12 @@ def test_a_value_another_task_reads_is_written():
 
 
 def test_the_ilp_charges_the_written_bytes_as_each_layout_splits_them():
-    mesh = MeshSpec(
-        axis_names=("data", "model"),
-        axis_sizes=(2, 1),
-        bandwidth=(1e11, 1e11),
-        latency=(1e-6, 1e-6),
-        peak_flops=1e12,
-        memory_bandwidth=1e12,
-    )
-    nodes, _, _ = build_graph(jax.make_jaxpr(lambda x: jnp.exp(x) * 2.0)(F32), mesh)
+    nodes, _, _ = build_graph(jax.make_jaxpr(lambda x: jnp.exp(x) * 2.0)(F32), mesh(2, 1))
     exp, mul = nodes[1:]
     assert all(s.compute_cost == 0 for s in exp.strategies)  # fused into the mul
     costs = {s.output_specs[0]: s.compute_cost for s in mul.strategies}
-    assert costs[(None, None)] == pytest.approx(WRITE / 1e12)
-    assert costs[("data", None)] == pytest.approx(WRITE / 2 / 1e12)
+    assert costs[(None, None)] == pytest.approx(WRITE / MEM_BW)
+    assert costs[("data", None)] == pytest.approx(WRITE / 2 / MEM_BW)
 
 
 def test_the_analytic_stage_costs_price_the_traffic_over_memory_bandwidth():
