@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import _common  # noqa: E402
 
 MODEL_NAMES = ("gpt-tiny", "gpt-small", "mlp", "mlp-wide", "bert-tiny")
-LARGE_MODEL_NAMES = ("gpt-350m", "gpt-1.3b")
-"""Published GPT sizes in bfloat16 compute, for accelerators (not in the default list)."""
+LARGE_MODEL_NAMES = ("gpt-350m", "gpt-1.3b", "wresnet-250m", "moe-380m")
+"""Published sizes in bfloat16 compute, for accelerators (not in the default list)."""
 
 
 def model_config(name: str) -> tuple[str, Any]:
@@ -49,6 +49,8 @@ def model_config(name: str) -> tuple[str, Any]:
     from models.bert import BertConfig
     from models.gpt import GPTConfig
     from models.mlp import MLPConfig
+    from models.moe import MoEConfig
+    from models.wide_resnet import WResNetConfig
 
     configs = {
         "gpt-tiny": ("gpt", GPTConfig.preset("gpt-tiny")),
@@ -57,7 +59,10 @@ def model_config(name: str) -> tuple[str, Any]:
         # Large enough for its matmuls, not dispatch, to dominate the step.
         "mlp-wide": ("mlp", MLPConfig(features=(1024, 1024, 1024), in_features=1024)),
         "bert-tiny": ("bert", BertConfig.preset("bert-tiny")),
-        **{name: ("gpt", GPTConfig.preset(name, dtype=jnp.bfloat16)) for name in LARGE_MODEL_NAMES},
+        "gpt-350m": ("gpt", GPTConfig.preset("gpt-350m", dtype=jnp.bfloat16)),
+        "gpt-1.3b": ("gpt", GPTConfig.preset("gpt-1.3b", dtype=jnp.bfloat16)),
+        "wresnet-250m": ("wresnet", WResNetConfig.preset("wresnet-250m", dtype=jnp.bfloat16)),
+        "moe-380m": ("moe", MoEConfig.preset("moe-380m", dtype=jnp.bfloat16)),
     }
     if name not in configs:
         raise ValueError(f"Unknown model {name!r}; choose from {sorted(configs)}")

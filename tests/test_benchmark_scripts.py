@@ -218,3 +218,31 @@ def test_multihost_tiny_runs_both_ways_and_ends_with_the_step_ratio(tmp_path):
         ["| two processes, 4 devices each", "step"],
         ["| two processes, 4 devices each", "move 1 MiB"],
     ]
+
+
+def test_task_overhead_counts_more_tasks_with_more_microbatches_and_fits_their_cost(tmp_path):
+    lines = _run("task_overhead.py", "--microbatches", "1", "4", "--rounds", "3", "--out-dir", str(tmp_path))
+    match = re.fullmatch(r"task_overhead_us=(\S+)", lines[-1])
+    assert match, lines[-1]
+    [md] = os.listdir(tmp_path)
+    text = (tmp_path / md).read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| 1 stage")]
+    # One fused task for one microbatch; a forward and a backward per microbatch and the update
+    # for four: the fit has two distinct task counts.
+    tasks = [int(r[1]) for r in rows]
+    assert len(tasks) == 2 and tasks[0] == 1 and tasks[1] > 8, rows
+    assert "the planner's constant: 100.0 us" in text
+    # Through two points the fitted slope is the step time added per task of the table.
+    ms = [float(r[3]) for r in rows]
+    assert float(match[1]) == pytest.approx((ms[1] - ms[0]) / (tasks[1] - tasks[0]) * 1e3, abs=0.2)
+
+
+def test_task_overhead_rejects_a_microbatch_count_that_does_not_divide_the_batch(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", "task_overhead.py"), "--microbatches", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "--microbatches 3" in proc.stderr
