@@ -1,11 +1,11 @@
 """Predicted vs measured time of single stages: how well the analytic cost model matches the devices.
 
 For each model and each submesh of 1, 2, 4 and 8 devices, the whole train step runs as one
-autopar stage (one microbatch, data parallel over the submesh) and its median step time is
-measured with :func:`autopar._src.measure.measure`, one configuration at a time so that no two
+autopar stage (data parallel over the submesh; one microbatch, or each of ``--microbatches``)
+and its median step time is measured with :func:`autopar._src.measure.measure`, one configuration at a time so that no two
 share the host. The same step is traced and profiled as the planner sees it, and
 :func:`autopar._src.planner.stage_costs` predicts the latency of that stage on that submesh
-(logical mesh ``(n, 1)``), with a calibrated cluster spec (``autopar calibrate``, quick) and with
+(logical mesh ``(n, 1)``; ``m`` microbatches take ``m`` times the latency of one), with a calibrated cluster spec (``autopar calibrate``, quick) and with
 the platform's preset. The ratio is predicted / measured: above 1 the model is pessimistic.
 
 It uses ``jax.devices()``: with ``--platform default`` on a machine with GPUs the same script
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import itertools
 import statistics
 import sys
 import tempfile
@@ -77,6 +78,8 @@ class Case:
     """Model name."""
     num_devices: int
     """Devices of the submesh."""
+    num_microbatches: int
+    """Microbatches the stage runs per step (a forward and a backward task each when above 1)."""
     label: str
     """Label of the measurement."""
     fn: Any
@@ -108,6 +111,7 @@ def build_cases(
     *,
     device_counts: list[int],
     batch_size: int,
+    microbatch_counts: tuple[int, ...] = (1,),
     specs: dict[str, Any],
     runnable: bool = True,
 ) -> tuple[list[Case], dict[str, Any]]:
@@ -137,9 +141,13 @@ def build_cases(
     options = trace.TraceOptions(num_layers=None)
     traced = planning.trace_at(step, (state, batch), batch_ids, batch_size, options)
     prof = profile.layer_profile(traced, batch_ids)
+    # The profile is of the whole batch; a microbatch is 1/m of it.
     costs = {
-        label: planner.stage_costs(prof, spec, num_microbatches=1, tensor_parallel=False)
+        (label, m): planner.stage_costs(
+            prof, spec, num_microbatches=m, batch_scale=1 / m, tensor_parallel=False
+        )
         for label, spec in specs.items()
+        for m in microbatch_counts
     }
     info = {
         "layers": prof.num_layers,
@@ -149,18 +157,24 @@ def build_cases(
     }
     devices = jax.devices()
     cases = []
-    for n in device_counts:
-        if batch_size % n:
-            raise ValueError(f"--batch-size {batch_size} is not divisible by {n} devices; choose a multiple")
+    for n, m in itertools.product(device_counts, microbatch_counts):
+        if batch_size % (n * m):
+            raise ValueError(
+                f"--batch-size {batch_size} is not divisible by {n} devices x {m} microbatches; "
+                "choose a multiple"
+            )
         predicted, compute = {}, {}
-        for label, c in costs.items():
-            predicted[label], compute[label] = _predictions(c, prof.num_layers, n, specs[label].name)
-        label = f"{name} on {n} device(s)"
+        for label in specs:
+            latency, busy = _predictions(costs[label, m], prof.num_layers, n, specs[label].name)
+            # One stage runs its microbatches one after another.
+            predicted[label], compute[label] = m * latency, m * busy
+        label = f"{name} on {n} device(s), {m} microbatch(es)"
         if not runnable:
             cases.append(
                 Case(
                     model=name,
                     num_devices=n,
+                    num_microbatches=m,
                     label=label,
                     fn=None,
                     args=None,
@@ -171,7 +185,7 @@ def build_cases(
             )
             continue
         fn = autopar.autoparallel(
-            step, num_stages=1, num_microbatches=1, devices=devices[:n], sharding="data"
+            step, num_stages=1, num_microbatches=m, devices=devices[:n], sharding="data"
         )
         # Building the executable traces the step as it will run (nothing is compiled yet).
         exe = fn.executable(state, batch)
@@ -181,7 +195,8 @@ def build_cases(
             jax.device_put(batch, NamedSharding(mesh, P("data"))),
         )
         key = measure.CostKey(
-            jaxpr_hash=measure.hash_jaxpr(exe.step.jaxpr),
+            # The step's jaxpr is the same for every microbatch count.
+            jaxpr_hash=f"{measure.hash_jaxpr(exe.step.jaxpr)}-{m}",
             mesh_shape=(n,),
             axis_names=("data",),
             shardings=tuple(
@@ -193,6 +208,7 @@ def build_cases(
             Case(
                 model=name,
                 num_devices=n,
+                num_microbatches=m,
                 label=label,
                 fn=fn,
                 args=placed,
@@ -204,24 +220,26 @@ def build_cases(
     return cases, info
 
 
-def read_measurements(path: str) -> dict[tuple[str, int], float]:
-    """``(model, devices) -> measured seconds`` from the table of a results file of this script.
+def read_measurements(path: str) -> dict[tuple[str, int, int], float]:
+    """``(model, devices, microbatches) -> measured seconds`` from the table of a results file of
+    this script (files without a microbatches column measured one).
 
     Raises:
       ValueError: if the file has no such table.
     """
     with open(path, encoding="utf-8") as f:
         lines = [line.strip() for line in f if line.startswith("|")]
-    if not lines or [c.strip() for c in lines[0].strip("|").split("|")][:3] != [
-        "model",
-        "devices",
-        "measured ms",
-    ]:
+    headers = [c.strip() for c in lines[0].strip("|").split("|")] if lines else []
+    with_microbatches = headers[:4] == ["model", "devices", "microbatches", "measured ms"]
+    if not with_microbatches and headers[:3] != ["model", "devices", "measured ms"]:
         raise ValueError(
-            f"{path} has no 'model | devices | measured ms' table; pass a cost_model results file"
+            f"{path} has no 'model | devices | [microbatches |] measured ms' table; pass a cost_model "
+            "results file"
         )
     rows = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
-    return {(r[0], int(r[1])): float(r[2]) / 1e3 for r in rows}
+    if with_microbatches:
+        return {(r[0], int(r[1]), int(r[2])): float(r[3]) / 1e3 for r in rows}
+    return {(r[0], int(r[1]), 1): float(r[2]) / 1e3 for r in rows}
 
 
 def _measure(cases: list[Case], args: Any) -> tuple[list[float], Any]:
@@ -238,6 +256,10 @@ def _measure(cases: list[Case], args: Any) -> tuple[list[float], Any]:
             runs=args.runs,
         )
         return seconds, cache.stats
+
+
+def _case_key(case: Case) -> tuple[str, int, int]:
+    return case.model, case.num_devices, case.num_microbatches
 
 
 def _spread(ratios: list[float]) -> dict[str, float]:
@@ -274,6 +296,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--devices", nargs="+", type=int, default=[1, 2, 4, 8], help="submesh sizes")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="microbatch counts of the stage (above 1: a forward and a backward task per microbatch)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
     parser.add_argument("--runs", type=int, default=7, help="timed steps; the median is kept")
     parser.add_argument("--cluster-file", help="a saved ClusterSpec JSON (e.g. from `autopar calibrate`)")
@@ -307,8 +336,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"--measured-from {args.measured_from} needs --cluster-file (the measured devices' "
                 "calibration) and --preset (their preset); the devices here are not the ones measured"
             )
-        args.models = list(dict.fromkeys(m for m, _ in recorded))
-        args.devices = sorted({n for _, n in recorded})
+        args.models = list(dict.fromkeys(m for m, _, _ in recorded))
+        args.devices = sorted({n for _, n, _ in recorded})
+        args.microbatches = sorted({m for _, _, m in recorded})
     if args.platform == "cpu":
         _common.use_cpu_devices(8)
     _common.RESULTS = args.out_dir  # write_markdown reads it at call time
@@ -353,25 +383,26 @@ def main(argv: list[str] | None = None) -> None:
             name,
             device_counts=counts,
             batch_size=args.batch_size,
+            microbatch_counts=tuple(args.microbatches),
             specs=specs,
             runnable=recorded is None,
         )
-        cases += [c for c in model_cases if recorded is None or (c.model, c.num_devices) in recorded]
+        cases += [c for c in model_cases if recorded is None or _case_key(c) in recorded]
 
     if recorded is not None:
-        seconds = [recorded[(c.model, c.num_devices)] for c in cases]
+        seconds = [recorded[_case_key(c)] for c in cases]
         stats = None
     else:
         seconds, stats = _measure(cases, args)
 
-    headers = ["model", "devices", "measured ms"]
+    headers = ["model", "devices", "microbatches", "measured ms"]
     if "calibrated" in specs:
         headers += ["predicted ms (calibrated)", "ratio (calibrated)", "compute share (calibrated)"]
     headers += ["predicted ms (preset)", "ratio (preset)"]
     rows = []
     ratios: dict[str, list[float]] = {label: [] for label in specs}
     for c, measured in zip(cases, seconds, strict=True):
-        row: list[Any] = [c.model, c.num_devices, f"{measured * 1e3:.2f}"]
+        row: list[Any] = [c.model, c.num_devices, c.num_microbatches, f"{measured * 1e3:.2f}"]
         for label in ("calibrated", "preset"):
             if label not in specs:
                 continue
@@ -443,15 +474,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{i['param_mib']:.2f} MiB params): {_config_text(i['config'])}"
                 for n, i in infos.items()
             ),
-            "stage": "whole step as one autopar stage (num_stages=1, num_microbatches=1) on "
+            "stage": f"whole step as one autopar stage (num_stages=1, num_microbatches in {args.microbatches}) on "
             "jax.devices()[:n], batch split over a ('data',) mesh, state replicated",
             "device counts": ", ".join(map(str, counts)),
             "batch size": args.batch_size,
             "optimizer": "optax.sgd(0.1), float32",
             "timing": f"measure(): median of {args.runs} steps after {args.warmup} warm-up steps, one "
             "configuration at a time",
-            "prediction": "planner.stage_costs(layer_profile(trace_at(...)), spec, num_microbatches=1, "
-            "tensor_parallel=False).latency[0, L-1, submesh (1, n), logical (n, 1)]",
+            "prediction": "m * planner.stage_costs(layer_profile(trace_at(...)), spec, num_microbatches=m, "
+            "batch_scale=1/m, tensor_parallel=False).latency[0, L-1, submesh (1, n), logical (n, 1)]",
             "calibrated spec": (_spec_text(specs["calibrated"]) if "calibrated" in specs else "none")
             + f" (from {calibrated_from})",
             "preset spec": _spec_text(preset),

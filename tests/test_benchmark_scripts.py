@@ -168,8 +168,8 @@ def test_cost_model_repredicts_recorded_measurements_without_measuring(tmp_path)
     text = (tmp_path / md).read_text()
     assert (
         "Measurements read from" in text
-        and "| mlp | 1 | 0.50 |" in text
-        and "| bert-tiny | 1 | 2.00 |" in text
+        and "| mlp | 1 | 1 | 0.50 |" in text
+        and "| bert-tiny | 1 | 1 | 2.00 |" in text
     )
     # The predictions are this version's, not the file's.
     assert "9.99" not in text and 0 < ratio < 9.99 / 0.5
@@ -246,3 +246,25 @@ def test_task_overhead_rejects_a_microbatch_count_that_does_not_divide_the_batch
         timeout=300,
     )
     assert proc.returncode != 0 and "--microbatches 3" in proc.stderr
+
+
+def test_cost_model_reads_measurements_with_and_without_a_microbatch_column(tmp_path):
+    sys.path.insert(0, ROOT)
+    from benchmarks.cost_model import read_measurements
+
+    old = tmp_path / "old.md"
+    old.write_text("| model | devices | measured ms | x |\n|---|---|---|---|\n| mlp | 2 | 1.50 | 9 |\n")
+    new = tmp_path / "new.md"
+    new.write_text(
+        "| model | devices | microbatches | measured ms |\n|---|---|---|---|\n"
+        "| mlp | 1 | 1 | 0.50 |\n| mlp | 1 | 4 | 2.00 |\n"
+    )
+    assert read_measurements(str(old)) == {("mlp", 2, 1): pytest.approx(1.5e-3)}
+    assert read_measurements(str(new)) == {
+        ("mlp", 1, 1): pytest.approx(0.5e-3),
+        ("mlp", 1, 4): pytest.approx(2e-3),
+    }
+    bad = tmp_path / "bad.md"
+    bad.write_text("| name | value |\n|---|---|\n| a | 1 |\n")
+    with pytest.raises(ValueError, match="measured ms"):
+        read_measurements(str(bad))
