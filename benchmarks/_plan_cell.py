@@ -155,7 +155,13 @@ def plan_cell(
             priced[b] = {"autopar": free, "autopar_tp1": only_dp, "grids": pinned}
     else:
         prof = _plan_ilp.trace_microbatch(
-            step, state, batch, batch_size=batch_size, num_microbatches=1, num_layers=num_layers
+            step,
+            state,
+            batch,
+            batch_size=batch_size,
+            num_microbatches=1,
+            num_layers=num_layers,
+            rescaled=True,
         )[1]
         bounds = [_compute_bound(prof, spec)]
         candidates = planner.microbatch_candidates(batch_size, max_microbatches=max_microbatches)

@@ -52,9 +52,13 @@ def priced_meshes(submeshes, logical, devices_per_host: int) -> list[tuple[int, 
     ]
 
 
-def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: int, num_layers=None):
+def trace_microbatch(
+    step, state, batch, *, batch_size: int, num_microbatches: int, num_layers=None, rescaled: bool = False
+):
     """``(traced step, layer profile)`` of one microbatch (``batch_size / num_microbatches`` rows),
-    cut into ``num_layers`` layers (None: as many as the first automatic clustering chooses)."""
+    cut into ``num_layers`` layers (None: as many as the first automatic clustering chooses).
+    With ``rescaled`` (costs scaled to other microbatch sizes) the profile also has its fixed
+    traffic, from a second trace (:func:`autopar._src.planning.step_profile`)."""
     import jax
 
     from autopar._src import planning, profile, trace
@@ -65,6 +69,8 @@ def trace_microbatch(step, state, batch, *, batch_size: int, num_microbatches: i
     traced = planning.trace_at(
         step, (state, batch), batch_ids, rows, trace.TraceOptions(num_layers=num_layers)
     )
+    if rescaled:
+        return traced, planning.step_profile(step, (state, batch), batch_ids, rows, traced)
     return traced, profile.layer_profile(traced, batch_ids)
 
 

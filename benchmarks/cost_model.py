@@ -2,10 +2,11 @@
 
 For each model and each submesh of 1, 2, 4 and 8 devices, the whole train step runs as one
 autopar stage (data parallel over the submesh; one microbatch, or each of ``--microbatches``)
-and its median step time is measured with :func:`autopar._src.measure.measure`, one configuration at a time so that no two
-share the host. The same step is traced and profiled as the planner sees it, and
-:func:`autopar._src.planner.stage_costs` predicts the latency of that stage on that submesh
-(logical mesh ``(n, 1)``; ``m`` microbatches take ``m`` times the latency of one), with a calibrated cluster spec (``autopar calibrate``, quick) and with
+and its median step time is measured with :func:`autopar._src.measure.measure`, one
+configuration at a time so that no two share the host. The same step is traced and profiled
+as the planner sees it, and :func:`autopar._src.planner.stage_costs` predicts the latency of
+that stage on that submesh (logical mesh ``(n, 1)``; ``m`` microbatches take ``m`` times the
+latency of one), with a calibrated cluster spec (``autopar calibrate``, quick) and with
 the platform's preset. The ratio is predicted / measured: above 1 the model is pessimistic.
 
 It uses ``jax.devices()``: with ``--platform default`` on a machine with GPUs the same script
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import itertools
+import os
 import statistics
 import sys
 import tempfile
@@ -126,7 +127,7 @@ def build_cases(
     from jax.sharding import PartitionSpec as P
 
     import autopar
-    from autopar._src import measure, planner, planning, profile, trace
+    from autopar._src import measure, planner, planning, trace
     from models import train
 
     kind, config = model_config(name)
@@ -140,7 +141,7 @@ def build_cases(
     batch_ids = tuple(range(num_state, num_state + len(jax.tree.leaves(batch))))
     options = trace.TraceOptions(num_layers=None)
     traced = planning.trace_at(step, (state, batch), batch_ids, batch_size, options)
-    prof = profile.layer_profile(traced, batch_ids)
+    prof = planning.step_profile(step, (state, batch), batch_ids, batch_size, traced)
     # The profile is of the whole batch; a microbatch is 1/m of it.
     costs = {
         (label, m): planner.stage_costs(
@@ -474,8 +475,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{i['param_mib']:.2f} MiB params): {_config_text(i['config'])}"
                 for n, i in infos.items()
             ),
-            "stage": f"whole step as one autopar stage (num_stages=1, num_microbatches in {args.microbatches}) on "
-            "jax.devices()[:n], batch split over a ('data',) mesh, state replicated",
+            "stage": "whole step as one autopar stage (num_stages=1, num_microbatches in "
+            f"{args.microbatches}) on jax.devices()[:n], batch split over a ('data',) mesh, state replicated",
             "device counts": ", ".join(map(str, counts)),
             "batch size": args.batch_size,
             "optimizer": "optax.sgd(0.1), float32",

@@ -47,7 +47,7 @@ def compare(model: str, num_devices: int, schedule: str = "1f1b"):
     """Predicted step time of the DP, equal-layer and equal-operator plans (best over microbatches)."""
     import jax
 
-    from autopar._src import baselines, planner, planning, profile, stages, trace
+    from autopar._src import baselines, planner, planning, stages, trace
     from autopar._src.cluster import preset
 
     step, state, batch, kind = abstract_step(model)
@@ -57,7 +57,7 @@ def compare(model: str, num_devices: int, schedule: str = "1f1b"):
     traced = planning.trace_at(
         step, (state, batch), batch_ids, BATCH[kind], trace.TraceOptions(num_layers=None)
     )
-    prof = profile.layer_profile(traced, batch_ids)
+    prof = planning.step_profile(step, (state, batch), batch_ids, BATCH[kind], traced)
     best: dict[str, tuple[float, int, int] | None] = {
         "stage DP": None,
         "equal layers": None,

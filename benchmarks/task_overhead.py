@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for m, label in labels.items():
         med, p10, p90 = _common.summary(times[label])
-        rows.append([label, counts[m][0], counts[m][1], f"{med * 1e3:.3f}", f"{p10 * 1e3:.3f}", f"{p90 * 1e3:.3f}"])
+        rows.append(
+            [label, counts[m][0], counts[m][1], f"{med * 1e3:.3f}", f"{p10 * 1e3:.3f}", f"{p90 * 1e3:.3f}"]
+        )
     _common.print_table("task overhead", headers, rows)
     default_us = planner.DEFAULT_TASK_OVERHEAD * 1e6
     lines = [
@@ -165,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
             "microbatches": args.microbatches,
             "rounds": f"{args.rounds} (configurations alternate every round, 3 warm-up steps each)",
             "fit": "least squares of median step time over tasks run (Run instructions per step)",
-            "command": "python benchmarks/task_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": "python benchmarks/task_overhead.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
         },
         headers,
         rows,

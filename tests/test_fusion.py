@@ -106,3 +106,68 @@ def test_the_analytic_stage_costs_price_the_traffic_over_memory_bandwidth():
     # Two data-parallel devices each move half the bytes; nothing else depends on bandwidth.
     assert slow_costs.compute[0, last, k, 0] - fast_costs.compute[0, last, k, 0] == pytest.approx(moved)
     assert slow_costs.latency[0, last, k, 0] - fast_costs.latency[0, last, k, 0] == pytest.approx(moved)
+
+
+D = 64
+
+
+def _cast_step(extra_above_rows=None):
+    import autopar
+
+    def step(params, batch):
+        def loss_fn(p):
+            x = batch["x"]
+            if extra_above_rows is not None and x.shape[0] > extra_above_rows:
+                x = jnp.sin(x)  # a program that changes with the batch size
+            h = x.astype(jnp.bfloat16) @ p["w"].astype(jnp.bfloat16)
+            return jnp.mean(jnp.tanh(h.astype(jnp.float32)))
+
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    return step, {"w": np.ones((D, D), np.float32)}
+
+
+def _profile_at(step, params, rows):
+    batch = {"x": np.ones((rows, D), np.float32)}
+    traced = planning.trace_at(step, (params, batch), (1,), rows, trace.TraceOptions(num_layers=None))
+    return planning.step_profile(step, (params, batch), (1,), rows, traced)
+
+
+def test_weight_sized_traffic_is_fixed_and_priced_for_every_microbatch_and_device():
+    step, params = _cast_step()
+    prof = _profile_at(step, params, 16)
+    # Written whatever the batch: the bf16 copy of w a matmul reads (2 bytes), the f32 gradient
+    # that leaves (4 bytes; its transpose fuses into the cast) and the scalar loss.
+    weight_sized = fusion.TRAFFIC_PER_WRITE * (2 * D * D + 4 * D * D + 4)
+    assert prof.fixed_traffic.tolist() == [weight_sized]
+    # The rest (the bf16 batch, what the backward keeps of tanh, the bf16 cotangent; which of
+    # tanh's values depends on the jax version) doubles with the rows.
+    def per_rows(p):
+        return p.forward_traffic.sum() + p.backward_traffic.sum() - p.fixed_traffic.sum()
+
+    doubled = _profile_at(step, params, 32)
+    assert doubled.fixed_traffic.tolist() == [weight_sized]
+    assert per_rows(prof) > 0 and per_rows(doubled) == 2 * per_rows(prof)
+
+    spec = cluster.preset("cpu", devices_per_host=8)
+    k = cluster.submesh_shapes(spec).index((1, 2))
+    with_fixed = planner.stage_costs(prof, spec, num_microbatches=4, batch_scale=0.25, tensor_parallel=False)
+    all_scaled = planner.stage_costs(
+        dataclasses.replace(prof, fixed_traffic=np.zeros(0)),
+        spec,
+        num_microbatches=4,
+        batch_scale=0.25,
+        tensor_parallel=False,
+    )
+    # Each of the 2 data-parallel devices moves the whole weight-sized bytes for a quarter of the
+    # batch, not a quarter of half of them.
+    extra = weight_sized * (1 - 0.25 / 2) / spec.device.memory_bandwidth
+    assert with_fixed.compute[0, 0, k, 0] - all_scaled.compute[0, 0, k, 0] == pytest.approx(extra)
+
+
+def test_a_step_whose_program_changes_with_the_batch_size_has_no_fixed_traffic_read_off():
+    step, params = _cast_step(extra_above_rows=16)
+    prof = _profile_at(step, params, 16)  # the second trace, at 32 rows, has one more equation
+    assert prof.fixed_traffic.tolist() == [0.0]
+    assert prof.forward_traffic.sum() > 0

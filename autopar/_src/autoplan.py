@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import planner, profile, stages, trace
+from autopar._src import planner, stages, trace
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
-from autopar._src.planning import region_layers, require_region, stage_details, trace_at
+from autopar._src.planning import region_layers, require_region, stage_details, step_profile, trace_at
 from autopar._src.schedule import ScheduleName
 
 
@@ -126,7 +126,7 @@ def auto_plan(
 
     def plan_layers(step: trace.TracedStep) -> tuple[trace.TracedStep, Plan]:
         """The plan for the layers ``step`` is cut into."""
-        prof = profile.layer_profile(step, tuple(batch_ids))
+        prof = step_profile(fn, args, batch_ids, trace_rows, step)
 
         measured = None
         if measured_devices is not None:
@@ -187,14 +187,11 @@ def auto_plan(
             cuts, flops, fingerprint = region_layers(step)
             scale = 1.0 / nmb
             if retrace:
+                rows = batch_size // nmb if batch_size else 0
                 step = trace_at(
-                    fn,
-                    args,
-                    batch_ids,
-                    batch_size // nmb if batch_size else 0,
-                    trace.TraceOptions(num_layers=len(cuts) + 1, cuts=cuts),
+                    fn, args, batch_ids, rows, trace.TraceOptions(num_layers=len(cuts) + 1, cuts=cuts)
                 )
-                prof = profile.layer_profile(step, tuple(batch_ids))
+                prof = step_profile(fn, args, batch_ids, rows, step)
                 cuts, flops, fingerprint = region_layers(step)
                 scale = 1.0
             sharded = sharded_for(step, nmb)

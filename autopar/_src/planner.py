@@ -196,7 +196,11 @@ def stage_costs(
 
     flops = ranges((profile.forward_flops + profile.backward_flops) * batch_scale)
     traffic = profile.forward_traffic + profile.backward_traffic
-    traffic = ranges((traffic if traffic.size else np.zeros(n_layers)) * batch_scale)
+    traffic = traffic if traffic.size else np.zeros(n_layers)
+    fixed = profile.fixed_traffic if profile.fixed_traffic.size else np.zeros(n_layers)
+    # Weight-sized traffic is the same for any microbatch and on every data-parallel device.
+    fixed_traffic = ranges(fixed)
+    traffic = ranges((traffic - fixed) * batch_scale)
     params = ranges(profile.param_bytes)
     acts = ranges(profile.boundary_bytes * batch_scale)
     out_bytes = np.broadcast_to(profile.boundary_bytes[None, :] * batch_scale, (n_layers, n_layers))
@@ -206,7 +210,8 @@ def stage_costs(
         link = cluster_mod.link_for(spec, mesh)
         for q, (dp, tp) in enumerate(logical[k]):
             # Both shrink with the devices: each one's share of the batch, or of the split dims.
-            compute = (flops / peak + traffic / spec.device.memory_bandwidth) / (dp * tp)
+            bandwidth = spec.device.memory_bandwidth
+            compute = (flops / peak + traffic / bandwidth) / (dp * tp) + fixed_traffic / bandwidth / tp
             # Megatron-style: two all-reduces of the activations per layer, forward and backward.
             tp_comm = 4 * _allreduce(acts / dp, tp, link)
             grad_sync = _allreduce(params / tp, dp, link) / num_microbatches

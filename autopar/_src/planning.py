@@ -42,6 +42,28 @@ def trace_at(
     return trace.trace_step(fn, jax.tree.unflatten(in_tree, abstract), options)
 
 
+def step_profile(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    batch_ids: Sequence[int],
+    rows: int,
+    step: trace.TracedStep,
+) -> profile.LayerProfile:
+    """The layer profile of ``step`` (``fn`` traced by :func:`trace_at` at ``rows``), its fixed
+    traffic read off a second trace at twice the rows with the same layer cuts (abstract:
+    nothing is allocated).
+
+    Raises:
+      ValueError: if the step has no grad region.
+    """
+    if rows <= 0 or not batch_ids:
+        return profile.layer_profile(step, tuple(batch_ids))
+    cuts = region_layers(step)[0]
+    options = trace.TraceOptions(num_layers=len(cuts) + 1, cuts=cuts)
+    doubled = trace_at(fn, args, batch_ids, 2 * rows, options)
+    return profile.layer_profile(step, tuple(batch_ids), doubled=doubled)
+
+
 def region_layers(step: trace.TracedStep) -> tuple[tuple[int, ...], tuple[float, ...], str]:
     """``(cuts, layer FLOPs, fingerprint)`` of the step's grad region (none: one empty layer)."""
     at = step.region_index()

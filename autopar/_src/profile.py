@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from autopar._src import compat, cost, expansion, fusion, layers, partition
+from autopar._src.strategy_graph import GraphOp
 from autopar._src.trace import TracedStep
 
 
@@ -53,6 +54,11 @@ class LayerProfile:
     (:func:`autopar._src.fusion.op_traffic`, each layer's pass a task); empty: priced as none."""
     backward_traffic: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
     """The same for each layer's backward."""
+    fixed_traffic: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """The part of each layer's forward plus backward traffic that does not grow with the
+    microbatch (weight-sized values: casts of the weights, their gradients), read off a second
+    trace at twice the rows (:func:`fixed_traffic`); it is moved again for every microbatch
+    and by every data-parallel device. Empty: all traffic grows with the microbatch."""
 
     @property
     def num_layers(self) -> int:
@@ -60,8 +66,13 @@ class LayerProfile:
         return len(self.forward_flops)
 
 
-def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerProfile:
+def layer_profile(
+    step: TracedStep, batch_leaf_ids: tuple[int, ...], *, doubled: TracedStep | None = None
+) -> LayerProfile:
     """Profiles the layers of a traced step's grad region.
+
+    ``doubled``: the same step traced with twice the rows and the same layer cuts (see
+    :func:`autopar._src.planning.profile_at`); it gives :attr:`LayerProfile.fixed_traffic`.
 
     Raises:
       ValueError: if the step has no grad region.
@@ -83,8 +94,10 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
     backward_peak_rep = np.zeros(num_layers)
     traffic = {"F": np.zeros(num_layers), "B": np.zeros(num_layers)}
     graph_ops = expansion.region_ops(rj, where, num_layers)[0]
-    for op, moved in zip(graph_ops, fusion.op_traffic(graph_ops), strict=True):
+    moved_by_op = fusion.op_traffic(graph_ops)
+    for op, moved in zip(graph_ops, moved_by_op, strict=True):
         traffic[op.task[1]][op.task[0]] += moved
+    fixed = fixed_traffic(graph_ops, moved_by_op, doubled, num_layers) if doubled is not None else np.zeros(0)
     for eqn, (layer, pass_) in zip(rj.eqns, where, strict=True):
         if pass_ == "B":
             for v in eqn.outvars:
@@ -158,4 +171,27 @@ def layer_profile(step: TracedStep, batch_leaf_ids: tuple[int, ...]) -> LayerPro
         param_layer=param_layer,
         forward_traffic=traffic["F"],
         backward_traffic=traffic["B"],
+        fixed_traffic=fixed,
     )
+
+
+def fixed_traffic(
+    graph_ops: list[GraphOp], moved: list[float], doubled: TracedStep, num_layers: int
+) -> np.ndarray:
+    """Per layer, the bytes of traffic that stay when the microbatch shrinks.
+
+    Each op's traffic is ``fixed + rows * per_row``; with ``moved`` at ``rows`` and the same op's
+    at ``2 * rows`` in ``doubled``, ``fixed = 2 * moved - moved_doubled``. Where the two traces
+    differ in their ops (a step whose program depends on the batch size), nothing is known:
+    all zeros, every byte taken to grow with the microbatch.
+    """
+    fixed = np.zeros(num_layers)
+    at, info, where = partition.layer_placement(doubled)
+    if len(info.cuts) + 1 != num_layers:
+        return fixed
+    ops2 = expansion.region_ops(info.jaxpr, where, num_layers)[0]
+    if [(o.eqn.primitive.name, o.task) for o in ops2] != [(o.eqn.primitive.name, o.task) for o in graph_ops]:
+        return fixed
+    for op, m1, m2 in zip(graph_ops, moved, fusion.op_traffic(ops2), strict=True):
+        fixed[op.task[0]] += min(max(2 * m1 - m2, 0.0), m1)
+    return fixed
