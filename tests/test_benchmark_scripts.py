@@ -27,6 +27,19 @@ def _run(script: str, *args: str) -> list[str]:
     return proc.stdout.strip().splitlines()
 
 
+def _error(script: str, *args: str) -> str:
+    """The stderr of a script run that must fail."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join("benchmarks", script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0, f"{script} {args} succeeded:\n{proc.stdout[-3000:]}"
+    return proc.stderr
+
+
 @pytest.mark.parametrize("costs", ["analytic", pytest.param("ilp", marks=pytest.mark.slow)])  # ilp: ~50 s
 def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, costs):
     journal = tmp_path / "journal.jsonl"
@@ -173,14 +186,7 @@ def test_cost_model_repredicts_recorded_measurements_without_measuring(tmp_path)
     )
     # The predictions are this version's, not the file's.
     assert "9.99" not in text and 0 < ratio < 9.99 / 0.5
-    proc = subprocess.run(
-        [sys.executable, os.path.join("benchmarks", "cost_model.py"), "--measured-from", str(recorded)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0 and "needs --cluster-file" in proc.stderr
+    assert "needs --cluster-file" in _error("cost_model.py", "--measured-from", str(recorded))
 
 
 def test_gradient_reductions_tiny_defers_and_ends_with_the_speedup(tmp_path):
@@ -237,15 +243,8 @@ def test_task_overhead_counts_more_tasks_with_more_microbatches_and_fits_their_c
     assert float(match[1]) == pytest.approx((ms[1] - ms[0]) / (tasks[1] - tasks[0]) * 1e3, abs=0.2)
 
 
-def test_task_overhead_rejects_a_microbatch_count_that_does_not_divide_the_batch(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, os.path.join("benchmarks", "task_overhead.py"), "--microbatches", "3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0 and "--microbatches 3" in proc.stderr
+def test_task_overhead_rejects_a_microbatch_count_that_does_not_divide_the_batch():
+    assert "--microbatches 3" in _error("task_overhead.py", "--microbatches", "3")
 
 
 def test_cost_model_reads_measurements_with_and_without_a_microbatch_column(tmp_path):
