@@ -141,6 +141,7 @@ def test_weight_sized_traffic_is_fixed_and_priced_for_every_microbatch_and_devic
     # that leaves (4 bytes; its transpose fuses into the cast) and the scalar loss.
     weight_sized = fusion.TRAFFIC_PER_WRITE * (2 * D * D + 4 * D * D + 4)
     assert prof.fixed_traffic.tolist() == [weight_sized]
+
     # The rest (the bf16 batch, what the backward keeps of tanh, the bf16 cotangent; which of
     # tanh's values depends on the jax version) doubles with the rows.
     def per_rows(p):

@@ -197,10 +197,10 @@ def stage_costs(
     flops = ranges((profile.forward_flops + profile.backward_flops) * batch_scale)
     traffic = profile.forward_traffic + profile.backward_traffic
     traffic = traffic if traffic.size else np.zeros(n_layers)
-    fixed = profile.fixed_traffic if profile.fixed_traffic.size else np.zeros(n_layers)
+    weight_sized = profile.fixed_traffic if profile.fixed_traffic.size else np.zeros(n_layers)
     # Weight-sized traffic is the same for any microbatch and on every data-parallel device.
-    fixed_traffic = ranges(fixed)
-    traffic = ranges((traffic - fixed) * batch_scale)
+    fixed_traffic = ranges(weight_sized)
+    traffic = ranges((traffic - weight_sized) * batch_scale)
     params = ranges(profile.param_bytes)
     acts = ranges(profile.boundary_bytes * batch_scale)
     out_bytes = np.broadcast_to(profile.boundary_bytes[None, :] * batch_scale, (n_layers, n_layers))
