@@ -72,7 +72,7 @@ def layer_profile(
     """Profiles the layers of a traced step's grad region.
 
     ``doubled``: the same step traced with twice the rows and the same layer cuts (see
-    :func:`autopar._src.planning.profile_at`); it gives :attr:`LayerProfile.fixed_traffic`.
+    :func:`autopar._src.planning.step_profile`); it gives :attr:`LayerProfile.fixed_traffic`.
 
     Raises:
       ValueError: if the step has no grad region.
@@ -186,7 +186,7 @@ def fixed_traffic(
     all zeros, every byte taken to grow with the microbatch.
     """
     fixed = np.zeros(num_layers)
-    at, info, where = partition.layer_placement(doubled)
+    _, info, where = partition.layer_placement(doubled)
     if len(info.cuts) + 1 != num_layers:
         return fixed
     ops2 = expansion.region_ops(info.jaxpr, where, num_layers)[0]
