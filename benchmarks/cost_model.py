@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
             "optimizer": "optax.sgd(0.1), float32",
             "timing": f"measure(): median of {args.runs} steps after {args.warmup} warm-up steps, one "
             "configuration at a time",
-            "prediction": "m * planner.stage_costs(layer_profile(trace_at(...)), spec, num_microbatches=m, "
+            "prediction": "m * planner.stage_costs(step_profile(...), spec, num_microbatches=m, "
             "batch_scale=1/m, tensor_parallel=False).latency[0, L-1, submesh (1, n), logical (n, 1)]",
             "calibrated spec": (_spec_text(specs["calibrated"]) if "calibrated" in specs else "none")
             + f" (from {calibrated_from})",
