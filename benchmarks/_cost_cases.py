@@ -91,11 +91,8 @@ def build_cases(
     """
     import jax
     import optax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    import autopar
-    from autopar._src import measure, planner, planning, trace
+    from autopar._src import planner, planning, trace
     from models import train
 
     kind, config = model_config(name)
@@ -138,40 +135,8 @@ def build_cases(
             # One stage runs its microbatches one after another.
             predicted[label], compute[label] = m * latency, m * busy
         label = f"{name} on {n} device(s), {m} microbatch(es)"
-        if not runnable:
-            cases.append(
-                Case(
-                    model=name,
-                    num_devices=n,
-                    num_microbatches=m,
-                    label=label,
-                    fn=None,
-                    args=None,
-                    key=None,
-                    predicted=predicted,
-                    predicted_compute=compute,
-                )
-            )
-            continue
-        fn = autopar.autoparallel(
-            step, num_stages=1, num_microbatches=m, devices=devices[:n], sharding="data"
-        )
-        # Building the executable traces the step as it will run (nothing is compiled yet).
-        exe = fn.executable(state, batch)
-        mesh = Mesh(devices[:n], ("data",))
-        placed = (
-            jax.device_put(state, NamedSharding(mesh, P())),
-            jax.device_put(batch, NamedSharding(mesh, P("data"))),
-        )
-        key = measure.CostKey(
-            # The step's jaxpr is the same for every microbatch count.
-            jaxpr_hash=f"{measure.hash_jaxpr(exe.step.jaxpr)}-{m}",
-            mesh_shape=(n,),
-            axis_names=("data",),
-            shardings=tuple(
-                str(P("data")) if i in batch_ids else str(P()) for i in range(len(jax.tree.leaves(placed)))
-            ),
-            device_kind=str(devices[0].device_kind),
+        fn, placed, key = (
+            _runnable(step, state, batch, batch_ids, devices[:n], m) if runnable else (None, None, None)
         )
         cases.append(
             Case(
@@ -187,3 +152,34 @@ def build_cases(
             )
         )
     return cases, info
+
+
+def _runnable(step: Any, state: Any, batch: Any, batch_ids: tuple[int, ...], devices: Any, m: int) -> Any:
+    """``(fn, args, key)`` of the one-stage step of ``m`` microbatches on ``devices``: the autopar
+    step, ``(state, batch)`` placed on them, and its cost-cache key."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import autopar
+    from autopar._src import measure
+
+    fn = autopar.autoparallel(step, num_stages=1, num_microbatches=m, devices=devices, sharding="data")
+    # Building the executable traces the step as it will run (nothing is compiled yet).
+    exe = fn.executable(state, batch)
+    mesh = Mesh(devices, ("data",))
+    placed = (
+        jax.device_put(state, NamedSharding(mesh, P())),
+        jax.device_put(batch, NamedSharding(mesh, P("data"))),
+    )
+    key = measure.CostKey(
+        # The step's jaxpr is the same for every microbatch count.
+        jaxpr_hash=f"{measure.hash_jaxpr(exe.step.jaxpr)}-{m}",
+        mesh_shape=(len(devices),),
+        axis_names=("data",),
+        shardings=tuple(
+            str(P("data")) if i in batch_ids else str(P()) for i in range(len(jax.tree.leaves(placed)))
+        ),
+        device_kind=str(devices[0].device_kind),
+    )
+    return fn, placed, key
