@@ -78,6 +78,30 @@ def test_weight_gradients_are_reduced_once_per_step(mesh_shape, config, batch, w
     assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], weights)
 
 
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_data_sharding_reduces_gradients_once_per_step(num_stages):
+    # sharding="data": the batch split, the parameters and optimizer state replicated, and the
+    # weight gradients' all-reduces left for the step's last task as with the ILP's layouts.
+    config = MLPConfig(features=(64, 64), in_features=64, num_classes=16)
+    step, state = train.setup("mlp", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("mlp", config, 4096, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=num_stages, num_microbatches=4, sharding="data"
+    )
+    exe = par.executable(state, batches[0])
+    assert len(exe.shardings) == num_stages
+    paths = dict(zip(exe.step.arg_vars, exe.step.input_paths(), strict=True))
+    for stage, chosen in enumerate(exe.shardings):
+        kernels = [v for v in chosen.specs if paths.get(v, "").endswith("['kernel']")]
+        assert kernels and all(not any(chosen.specs[v]) for v in kernels), chosen.specs
+        assert exe.deferred[stage].accumulators, chosen.partial_sums
+    tasks = _task_collectives(exe)
+    per_microbatch = [c for repeated, cs in tasks if repeated for c in cs]
+    assert not _weight_shaped(per_microbatch, ("[64,64]", "[64,16]")), per_microbatch
+    eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
+    assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], ("[64,64]", "[64,16]"))
+
+
 def test_one_microbatch_defers_nothing():
     config = MLPConfig(features=(64,), in_features=64, num_classes=16)
     step, state = train.setup("mlp", "linen", config, OPTIMIZERS["sgd"]())

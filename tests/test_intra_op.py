@@ -190,8 +190,12 @@ def test_sharding_data_keeps_batch_split_and_replicas():
     step, state, batches = _mlp(config, 8)
     par = autopar.autoparallel(step, num_stages=1, sharding="data")
     exe = par.executable(state, batches[0])
-    assert exe.shardings == []
-    assert all(exe.sharding((v, None), 0).spec == PartitionSpec() for v in exe.step.arg_vars[:3])
+    (chosen,) = exe.shardings
+    batch = {exe.step.arg_vars[i] for i in exe.batch_leaf_ids}
+    state_vars = [v for v in exe.step.arg_vars if v not in batch]
+    assert state_vars and all(not any(exe.sharding((v, None), 0).spec) for v in state_vars)
+    split = [tuple(exe.sharding((v, 0), 0).spec) for v in batch]
+    assert split and all(s[0] == "data" and not any(s[1:]) for s in split), split
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,8 @@ class Options:
     """Directory of the measured-cost cache (default ``$AUTOPAR_CACHE_DIR`` or ``~/.cache/autopar/costs``)."""
     sharding: Literal["auto", "data"] = "auto"
     """``"auto"``: each stage's layouts come from the sharding ILP (data, tensor and
-    optimizer-state parallelism as its costs say); ``"data"``: split the batch, replicate the rest."""
+    optimizer-state parallelism as its costs say); ``"data"``: split the batch, replicate the
+    parameters and optimizer state (the ILP lays out the values computed from them)."""
     mesh_shape: tuple[int, ...] | None = None
     """With an int ``num_stages``: each stage's logical mesh, ``(data,)`` or ``(data, model)``."""
 
@@ -151,8 +152,9 @@ def autoparallel(
 
     With ``sharding="auto"`` each stage's layouts come from an ILP over its equations
     (data parallel, Megatron-style tensor parallel over ``"model"``, sharded optimizer
-    state when the cluster's memory asks for it); ``sharding="data"`` splits the batch
-    and replicates everything else.
+    state when the cluster's memory asks for it); ``sharding="data"`` splits the batch and
+    replicates the parameters and optimizer state, and the ILP lays out only the values the
+    stages compute (so gradients are still reduced once per step).
 
     The step must compute its gradient with :func:`autopar.value_and_grad` (or
     :func:`autopar.grad`); the loss is cut into layers, grouped into stages on

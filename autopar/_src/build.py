@@ -235,9 +235,10 @@ def _layouts(
     platform: str,
     opts: Options,
 ) -> list[intra_op.StageSharding | None]:
-    """Each stage's layouts from the sharding ILP (none with ``sharding="data"``)."""
-    if opts.sharding != "auto":
-        return []
+    """Each stage's layouts from the sharding ILP; with ``sharding="data"``, around data
+    parallelism's layouts of the stage inputs."""
+    if opts.sharding == "data":
+        return intra_op.solve_stages(step, program, plan, spec, platform=platform, data_parallel=True)
     # Each stage's ILP lays out its inputs, gradient sums and stashes in what the memory model
     # leaves of a device after the backward's transients (a step without autopar's gradient
     # has no layers to model: its one stage gets the device).

@@ -4,8 +4,9 @@ Each task becomes one ``jax.jit`` with explicit in/out ``NamedSharding`` on its
 stage's mesh; tasks with the same structure (the same equations on the same
 stage, e.g. the forward of microbatches 1..B-2) share one executable. The layouts
 come from each stage's sharding ILP (:mod:`autopar._src.intra_op`), which also pins
-the outputs of the heavy equations inside the tasks; without one, the batch is split
-over ``"data"`` and the rest replicated. Values move between submeshes along a
+every equation's output inside the tasks (under ``sharding="data"``, around the stage
+inputs' data-parallel layouts); a one-device stage has none. Values move between
+submeshes along a
 :class:`~autopar._src.transfers.Route`: every ``device_put`` copies identical
 per-device blocks, so no copy goes through the host and all are asynchronous.
 Dispatch never waits on a device.
@@ -85,7 +86,8 @@ class Executable:
     batch_leaf_ids: tuple[int, ...]
     donated_leaf_ids: tuple[int, ...] = ()
     shardings: Sequence[StageSharding | None] = ()
-    """Per stage, the sharding ILP's answer (none: batch split over ``"data"``)."""
+    """Per stage, the sharding ILP's answer (none: a one-device stage, or the batch split over
+    ``"data"`` and the rest replicated)."""
     defer_reductions: bool = True
     """Keep gradients' partial sums until the last microbatch (:mod:`~autopar._src.deferred`);
     ``False`` reduces them in every microbatch's backward (for comparison)."""

@@ -25,13 +25,14 @@ from autopar._src.collectives import Spec
 from autopar._src.expansion import expand_calls
 from autopar._src.ilp_merge import solve_merged
 from autopar._src.layout_costs import MeshSpec
-from autopar._src.plan import Plan, StagePlan
+from autopar._src.plan import DATA_AXIS, Plan, StagePlan
 from autopar._src.program import Program
 from autopar._src.sharding_ilp import NoLayoutFitsError, total_cost, total_memory
 from autopar._src.stage_problem import format_bytes
 from autopar._src.stage_values import (
     alias_root,
     charged,
+    data_parallel_inputs,
     held_copies,
     inputs_memory_only,
     summed,
@@ -171,6 +172,7 @@ def solve_stage(
     time_limit: float = STAGE_TIME_LIMIT,
     carried: dict[Any, Any] | None = None,
     fixed: dict[Any, Spec] | None = None,
+    data_parallel: bool = False,
     count_held: bool = False,
     names: Mapping[Any, str] | None = None,
 ) -> StageSharding:
@@ -188,6 +190,8 @@ def solve_stage(
     ``carried`` (see :func:`carried_state`) ties the step's new state to the state it
     replaces, so that they are laid out alike. ``fixed`` gives some inputs a layout
     (e.g. a hand-written plan's parameter shardings); the ILP lays out the rest around them.
+    ``data_parallel`` fixes every other input to data parallelism's layout
+    (:func:`~autopar._src.stage_values.data_parallel_inputs`).
     ``names`` names inputs (parameter paths) in errors.
 
     Raises:
@@ -197,6 +201,8 @@ def solve_stage(
     """
     start = time.perf_counter()
     ops, alias, ties = stage_ops(program, stage)
+    if data_parallel:
+        fixed = data_parallel_inputs(program, stage, ops, alias, mesh.size(DATA_AXIS)) | (fixed or {})
     nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=ties)
     made = {name for op in ops for name in op.outs if name is not None}
     nodes = inputs_memory_only(nodes, producer, made)
@@ -343,9 +349,16 @@ def solve_stages(
     memory_budget: float | Sequence[float] | None = None,
     time_limit: float = STAGE_TIME_LIMIT,
     platform: str = "",
+    data_parallel: bool = False,
 ) -> list[StageSharding | None]:
     """:func:`solve_stage` for every stage of ``plan`` with more than one device (None for others);
-    ``memory_budget`` is one for every stage or a sequence of one per stage."""
+    ``memory_budget`` is one for every stage or a sequence of one per stage.
+
+    With ``data_parallel`` (``sharding="data"``), every stage input takes data parallelism's
+    layout (:func:`~autopar._src.stage_values.data_parallel_inputs`) and the ILP lays out only
+    the values the stage makes, so their gradients' partial sums are kept until the last
+    microbatch (:mod:`~autopar._src.deferred`) as under any other layout.
+    """
     result: list[StageSharding | None] = []
     carried = carried_state(step)
     names = dict(zip(step.arg_vars, step.input_paths(), strict=True))
@@ -363,6 +376,7 @@ def solve_stages(
                 memory_budget=memory_budget if not isinstance(memory_budget, Sequence) else memory_budget[i],
                 time_limit=time_limit,
                 carried=carried,
+                data_parallel=data_parallel,
                 count_held=True,
                 names=names,
             )

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
+from autopar._src import cost
 from autopar._src.layout_costs import MeshSpec, share_bytes
+from autopar._src.plan import DATA_AXIS
 from autopar._src.program import Program, Transfer, live_at_runs, of_microbatch
 from autopar._src.sharding_ilp import Node
+from autopar._src.strategy_graph import GraphOp
 
 
 def alias_root(alias: dict[Any, Any], v: Any) -> Any:
@@ -110,3 +114,24 @@ def inputs_memory_only(
         )
         for i, n in enumerate(nodes)
     )
+
+
+def data_parallel_inputs(
+    program: Program, stage: int, ops: Sequence[GraphOp], alias: dict[Any, Any], data_size: int
+) -> dict[Any, tuple[str | None, ...]]:
+    """Data parallelism's layouts of the inputs of ``ops`` (``stage``'s equations) on
+    ``data_size`` devices: a microbatch's value whose leading dim is the microbatch's rows
+    split over ``"data"`` (the runtime's rule, :func:`~autopar._src.cost.splits_over_batch`),
+    everything else replicated."""
+    made = {v for op in ops for v in op.outs if v is not None}
+    rows = program.microbatch_size
+    split = {
+        alias_root(alias, k[0])
+        for t in program.tasks
+        if t.stage == stage
+        for k in t.in_keys
+        if of_microbatch(k) and cost.splits_over_batch(k[0].aval, rows) and rows % data_size == 0
+    }
+    return {
+        v: (DATA_AXIS,) if v in split else () for op in ops for v in op.ins if v is not None and v not in made
+    }
