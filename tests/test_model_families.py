@@ -56,3 +56,30 @@ def test_family_on_2d_meshes_equals_jit(kind, api, overrides, num_mb, opt):
     assert all(s is not None and s.specs for s in exe.shardings)
     if api == "linen" and not overrides:  # some values are split over both axes (batch by all 4 devices)
         assert any(isinstance(e, tuple) for s in exe.shardings for spec in s.specs.values() for e in spec)
+
+
+# sharding="data" on the same families: the batch split, the state replicated, and the
+# gradients kept as partial sums until the last microbatch, through rematerialised blocks too.
+@pytest.mark.parametrize(
+    "kind,api,overrides,num_mb",
+    [
+        ("bert", "linen", {}, 2),
+        ("gpt", "linen", {"remat": True}, 2),
+        ("gpt", "nnx", {}, 2),
+        pytest.param("wresnet", "linen", {}, 1, marks=pytest.mark.slow),  # ~26 s
+        ("moe", "linen", {}, 1),
+    ],
+)
+def test_family_with_data_sharding_equals_jit(kind, api, overrides, num_mb):
+    config = train.tiny_config(kind, **overrides)
+    step, state = train.setup(kind, api, config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch(kind, config, BATCH, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=num_mb, sharding="data"
+    )
+    exe = par.executable(state, batches[0])
+    batch = {exe.step.arg_vars[i] for i in exe.batch_leaf_ids}
+    for chosen in exe.shardings:
+        held = [v for v in exe.step.arg_vars if v in chosen.specs and v not in batch]
+        assert held and all(not any(chosen.specs[v]) for v in held)
+    assert all(d.accumulators for d in exe.deferred) == (num_mb > 1)
