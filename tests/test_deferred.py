@@ -124,6 +124,24 @@ def test_reduced_axes():
     assert deferred.reduced_axes([("data", None), (None, "model")], ("data", "model"), names) == ()
 
 
+@pytest.mark.parametrize(
+    "scatter, partial",
+    [
+        # An embedding's gradient: each device's rows scattered into its own zeros, then summed.
+        (lambda table, idx, rows: jnp.zeros_like(table).at[idx].add(rows), True),
+        # Into a table every device holds: summing the devices' results would add it n times.
+        (lambda table, idx, rows: table.at[idx].add(rows), False),
+        (lambda table, idx, rows: jnp.ones_like(table).at[idx].add(rows), False),
+    ],
+)
+def test_a_scatter_add_sums_partials_only_into_zeros(scatter, partial):
+    table, idx, rows = jnp.ones((16, 4)), jnp.arange(8) % 16, jnp.ones((8, 4))
+    eqns = jax.make_jaxpr(scatter)(table, idx, rows).jaxpr.eqns
+    made = {v: (e, e.invars, k) for e in eqns for k, v in enumerate(e.outvars)}
+    (add,) = [e for e in eqns if e.primitive.name in partial_chains.SCATTER_ADD]
+    assert partial_chains.sums_partials(add, add.invars, made) is partial
+
+
 def test_gradients_split_over_a_summed_axis_are_not_deferred():
     """A gradient laid out split over the axis its partial sums are over would need its whole
     block per device to stay stacked: it is reduce-scattered each microbatch instead."""
@@ -303,8 +321,10 @@ def test_gradients_made_inside_calls(wrap, kernels, deferred_inside):
     "blocks", [{"remat": True}, pytest.param({"scan_layers": True}, marks=pytest.mark.slow)]
 )
 def test_gpt_defers_its_block_gradients(blocks):
-    """GPT blocks as large GPTs are trained, rematerialised or scanned: every gradient but the
-    two embedding tables' (scatter-added, not partial sums) is reduced once per step."""
+    """GPT blocks as large GPTs are trained, rematerialised or scanned: every gradient is
+    reduced once per step, the token embedding's (a scatter-add of each device's rows into
+    zeros) too, but the position embedding's (a batch sum scattered into the table: the chain
+    is not followed through a scatter)."""
     config = train.tiny_config("gpt", **blocks)
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
     batches = [train.make_batch("gpt", config, 64, seed=i) for i in range(3)]
@@ -312,7 +332,10 @@ def test_gpt_defers_its_block_gradients(blocks):
         step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
     )
     exe = par.executable(state, batches[0])
-    assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params)) - 2
+    assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params)) - 1
     per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
     mlp = ("[64,256]", "[256,64]") if "remat" in blocks else ("[2,64,256]", "[2,256,64]")
-    assert not _weight_shaped(per_microbatch, mlp), per_microbatch
+    vocab = f"[{config.vocab_size},{config.hidden}]"
+    assert not _weight_shaped(per_microbatch, (*mlp, vocab)), per_microbatch
+    eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
+    assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], (vocab,))

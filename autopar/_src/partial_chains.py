@@ -17,14 +17,19 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from autopar._src import compat
 from autopar._src.program import Task
 from autopar._src.strategy_graph import GraphOp, Inner
 
-PARTIAL_SUM_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"})
+SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
+"""A ``scatter-add``'s primitive name (JAX versions spell it either way)."""
+PARTIAL_SUM_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"}) | SCATTER_ADD
 """Primitives whose result on local blocks is a partial sum of the result's block when a
 contracted (or reduced) dim is split: applied to every device's blocks and summed, they give
-the whole result."""
+the whole result. A ``scatter-add`` is one only into zeros (:func:`sums_partials`): an
+embedding's gradient, the transpose of its lookup, scatters each device's rows of the batch."""
 LINEAR_PRIMITIVES = frozenset({"convert_element_type", "transpose", "copy", "copy_p", "reshape"})
 """One-operand primitives that may be applied to each partial sum instead of to their sum."""
 
@@ -137,7 +142,7 @@ def _partial_chain(
             return None
         eqn, ins, index = made[name]
         chain.append(name_of(name))
-        if eqn.primitive.name in PARTIAL_SUM_PRIMITIVES and is_partial(chain[-1]):
+        if sums_partials(eqn, ins, made) and is_partial(chain[-1]):
             return [(n, 0) for n in reversed(chain)]
         inside = descend(eqn, index)
         if inside is not None:
@@ -147,6 +152,27 @@ def _partial_chain(
             return None
         name = ins[0]
     return None
+
+
+def sums_partials(eqn: Any, ins: Sequence[Any], made: Mapping[Any, tuple[Any, Sequence[Any], int]]) -> bool:
+    """Whether ``eqn`` (operands ``ins``, made as ``made`` says) gives partial sums on local
+    blocks: one of :data:`PARTIAL_SUM_PRIMITIVES`, a ``scatter-add`` only into zeros that
+    ``made`` shows (every device adds its scattered rows to its own copy of the operand, so
+    the operand must add nothing)."""
+    name = eqn.primitive.name
+    if name not in PARTIAL_SUM_PRIMITIVES:
+        return False
+    if name not in SCATTER_ADD:
+        return True
+    operand = None if ins[0] is None or compat.is_literal(ins[0]) else made.get(ins[0])
+    return operand is not None and _zeros(operand[0])
+
+
+def _zeros(eqn: Any) -> bool:
+    """Whether ``eqn`` broadcasts the literal 0."""
+    if eqn.primitive.name != "broadcast_in_dim" or not compat.is_literal(eqn.invars[0]):
+        return False
+    return not np.any(np.asarray(compat.literal_value(eqn.invars[0])))
 
 
 def linear_link(eqn: Any, ins: Sequence[Any]) -> bool:
