@@ -220,17 +220,18 @@ def test_data_parallel_stages_all_reduce_gradients_once_per_step():
     par = autopar.autoparallel(step, num_stages=2, num_microbatches=2, sharding="data")
     exe = par.executable(state, batch)
     par(state, batch)
-    per_microbatch, once = 0, 0
+    all_reduces: dict[tuple[str, int], int] = {}
     for i, (task, fn) in enumerate(zip(exe.program.tasks, exe.fns, strict=True)):
+        kind = task.label[0] if task.repeated else "once"
         n = fn.lower(*exe.abstract_inputs(i)).compile().as_text().count("all-reduce(")
-        if task.repeated:
-            per_microbatch += n
-        else:
-            once += n
-    # The microbatches' forwards and backwards keep their gradients' partial sums; the step's
-    # last tasks all-reduce them.
-    assert per_microbatch == 0
-    assert once >= 1
+        all_reduces[(kind, task.stage)] = all_reduces.get((kind, task.stage), 0) + n
+    # The first stage's forwards need no collective; the last stage's forwards all-reduce only
+    # the batch mean of the loss. The backwards keep their gradients' partial sums, and each
+    # stage's once-per-step tasks all-reduce them.
+    assert all_reduces[("F", 0)] == 0
+    assert all_reduces[("F", 1)] >= 1
+    assert all_reduces[("B", 0)] == 0 and all_reduces[("B", 1)] == 0
+    assert all_reduces[("once", 0)] >= 1 and all_reduces[("once", 1)] >= 1
 
 
 ALIAS = re.compile(r"\{(\d+)\}: \((\d+), \{\}, may-alias\)")

@@ -262,6 +262,33 @@ def test_reshape_transpose_and_broadcast_map_dims():
     assert (("model",), ("model", None)) in pairs and ((None,), (None, "model")) in pairs
 
 
+def test_pooling_splits_the_dims_its_windows_leave_alone():
+    # A 3x3 stride-2 max pool over NHWC: the batch and the channels may be split, the pooled
+    # height and width not; its gradient (select_and_scatter_add) splits its operands alike.
+    def pool(x):
+        return lax.reduce_window(
+            x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), ((0, 0), (0, 1), (0, 1), (0, 0))
+        )
+
+    x = jnp.ones((16, 8, 8, 4))
+    (fwd,) = [e for e in eqns_of(pool, x) if e.primitive.name == "reduce_window_max"]
+    bwd = [
+        e
+        for e in eqns_of(lambda x: jax.grad(lambda x: pool(x).sum())(x), x)
+        if "select_and" in e.primitive.name
+    ]
+    assert bwd
+    for eqn in (fwd, *bwd):
+        strategies = by_name(eqn_strategies(eqn, mesh(8, 4)))
+        assert {"replicated", "split[d0@data]", "split[d3@model]"} <= set(strategies), sorted(strategies)
+        for s in strategies.values():
+            split = {d for spec in (*s.input_specs, *s.output_specs) for d, a in enumerate(spec) if a}
+            assert not split & {1, 2}, s
+        batch = strategies["split[d0@data]"]
+        assert all(spec[:1] == ("data",) for spec in (*batch.input_specs, *batch.output_specs) if spec)
+        assert batch.memory_bytes < strategies["replicated"].memory_bytes
+
+
 def test_embedding_gather_vocab_split_all_reduces():
     table, ids = jnp.ones((1024, 64)), jnp.ones((16, 8), jnp.int32)
     eqn = first_eqn(lambda t, i: t[i], table, ids, primitive="gather")

@@ -135,3 +135,37 @@ def dim_map_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         specs = [in_spec] + [(None,) * len(shape_of(v)) for v in eqn.invars[1:]]
         result.append(priced_strategy(f"vocab[{axis}]", eqn, mesh, specs, [out_spec], comm=comm, weight=0))
     return tuple(result)
+
+
+WINDOW_PRIMITIVES: frozenset[str] = frozenset(
+    "reduce_window_max reduce_window_min reduce_window_sum reduce_window "
+    "select_and_scatter_add select_and_gather_add".split()
+)
+"""Pooling and its derivatives: windows slid over some dims; a split survives on the others."""
+
+
+def windowed_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    """Strategies of a pooling equation (:data:`WINDOW_PRIMITIVES`): each split of the result
+    on a dim its windows leave alone (window and stride 1, no padding or dilation), e.g. the
+    batch or the channels of a max pool, every array operand split alike (they share those
+    dims' sizes); init values whole."""
+    params = eqn.params
+    rank = len(params["window_dimensions"])
+    ones = (1,) * rank
+    free = {
+        d
+        for d in range(rank)
+        if params["window_dimensions"][d] == 1
+        and params["window_strides"][d] == 1
+        and tuple(params["padding"][d]) == (0, 0)
+        and params.get("base_dilation", ones)[d] == 1
+        and params.get("window_dilation", ones)[d] == 1
+    }
+    out_shape = shape_of(eqn.outvars[0])
+    result = []
+    for spec in candidate_specs(out_shape, mesh):
+        if any(a is not None and d not in free for d, a in enumerate(spec)):
+            continue
+        ins = [spec if len(shape_of(v)) == rank else (None,) * len(shape_of(v)) for v in eqn.invars]
+        result.append(priced_strategy(spec_name(spec), eqn, mesh, ins, [spec] * len(eqn.outvars)))
+    return tuple(result)

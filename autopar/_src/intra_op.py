@@ -38,7 +38,7 @@ from autopar._src.stage_values import (
     summed,
     transfer_counts,
 )
-from autopar._src.strategy_graph import GraphOp, Tie, graph_of
+from autopar._src.strategy_graph import Follow, GraphOp, Tie, graph_of
 from autopar._src.trace import TracedStep
 
 STAGE_TIME_LIMIT = 120.0
@@ -201,9 +201,11 @@ def solve_stage(
     """
     start = time.perf_counter()
     ops, alias, ties = stage_ops(program, stage)
+    follow = None
     if data_parallel:
         fixed = data_parallel_inputs(program, stage, ops, alias, mesh.size(DATA_AXIS)) | (fixed or {})
-    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=ties)
+        follow = Follow(DATA_AXIS, {v: 0 for v, spec in fixed.items() if spec == (DATA_AXIS,)})
+    nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=ties, follow=follow)
     made = {name for op in ops for name in op.outs if name is not None}
     nodes = inputs_memory_only(nodes, producer, made)
     # Copying a value to or from another stage moves each device's block over the mesh's

@@ -18,7 +18,6 @@ from typing import Any
 
 from autopar._src import cost
 from autopar._src.driver import Executable
-from autopar._src.layout_costs import share_bytes
 from autopar._src.program import Key, live_at_runs
 
 
@@ -85,10 +84,9 @@ def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
     chosen = exe.shardings[stage] if exe.shardings else None
     if chosen is None:
         return inputs + stashes + sums + rest
-    # A deferred gradient is added to its running sum as the backward makes it, so it is not
-    # among one microbatch's gradients held whole.
-    deferred = sum(share_bytes(v, chosen.specs[v], chosen.mesh) for v in exe.deferred[stage].accumulators)
-    return chosen.memory_bytes + rest - min(deferred, gradients)
+    # A deferred gradient stays among the backward's transients: XLA makes a task's partial
+    # sums before it adds them to their running sums, and holds most of them at once.
+    return chosen.memory_bytes + rest
 
 
 def relative_error(predicted: float, actual: float) -> float:

@@ -15,7 +15,12 @@ from typing import Any, NamedTuple
 
 from autopar._src import compat, cost
 from autopar._src.collectives import Axes, entry_axes
-from autopar._src.dim_maps import DIM_MAP_PRIMITIVES, dim_map_strategies
+from autopar._src.dim_maps import (
+    DIM_MAP_PRIMITIVES,
+    WINDOW_PRIMITIVES,
+    dim_map_strategies,
+    windowed_strategies,
+)
 from autopar._src.layout_costs import (
     Collective,
     MeshSpec,
@@ -305,6 +310,7 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     Covers ``dot_general`` (batch, Megatron column and row splits, 2-D combinations),
     ``conv_general_dilated`` (batch, output-channel and input-channel splits), elementwise primitives,
     reductions, dim-moving primitives (reshape, transpose, broadcast, squeeze, slices, ...),
+    pooling (``reduce_window_*`` and its derivatives, split where the windows leave a dim alone),
     embedding-style ``gather`` / ``dynamic_slice`` / ``scatter-add``; any other equation
     gets the replicated strategy only. ``input_specs`` has one spec per invar (literals too).
 
@@ -330,6 +336,8 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         result = _reduction(eqn, mesh)
     elif name in DIM_MAP_PRIMITIVES and eqn.invars:
         result = dim_map_strategies(eqn, mesh)
+    elif name in WINDOW_PRIMITIVES:
+        result = windowed_strategies(eqn, mesh)
     else:
         result = ()
     return result or replicated_strategies(eqn, mesh)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from autopar._src import compat, cost, fusion
-from autopar._src.collectives import Spec, resharding_cost
+from autopar._src.collectives import Spec, entry_axes, resharding_cost
 from autopar._src.layout_costs import MeshSpec, all_specs, shape_of, share_bytes, spec_name
 from autopar._src.sharding_ilp import Edge, Node, Strategy
 from autopar._src.strategies import eqn_strategies
@@ -72,6 +72,16 @@ class Inner(NamedTuple):
         return self.var.aval
 
 
+class Follow(NamedTuple):
+    """Data parallelism inside a strategy graph: values split over ``axis`` along a dim (the
+    batch's), kept so by every equation that can read them so (see :func:`graph_of`)."""
+
+    axis: str
+    """The mesh axis the batch is split over."""
+    dims: Mapping[Any, int]
+    """The inputs split over ``axis``, and the dim of each."""
+
+
 class Tie(NamedTuple):
     """Two values that should share a layout: a loop's carry out and the carry it starts from."""
 
@@ -88,6 +98,7 @@ def graph_of(
     carried: Mapping[Any, Any] | None = None,
     fixed: Mapping[Any, Spec] | None = None,
     ties: Sequence[Tie] = (),
+    follow: Follow | None = None,
 ) -> tuple[tuple[Node, ...], tuple[Edge, ...], dict[Any, tuple[int, int]]]:
     """The strategy graph of a sequence of equations over named values.
 
@@ -101,7 +112,10 @@ def graph_of(
     an edge between their nodes prices resharding one into the other once per step.
     ``fixed`` gives some inputs their only layout (trailing dims may be left out). Each of
     ``ties`` (loop carries, from :func:`autopar._src.expansion.expand_calls`) adds such an
-    edge with its weight.
+    edge with its weight. With ``follow``, an op that reads a value split over its axis keeps
+    only the strategies that read it so (where it has any), and a value every one of them
+    makes split over that axis is followed in turn: the batch stays split through the work
+    that can keep it, and the gradients it contracts are partial sums.
 
     Raises:
       ValueError: if a ``fixed`` layout is not one the input can take on ``mesh``.
@@ -128,6 +142,7 @@ def graph_of(
 
     for name in inputs:
         add_input(name, name)
+    split = dict(follow.dims) if follow is not None else {}
     costs: dict[tuple[int, int], np.ndarray] = {}
     cache: dict[tuple[Any, ...], float] = {}
     link = [
@@ -145,6 +160,8 @@ def graph_of(
                 add_input(name, v)
         dst = len(nodes)
         strategies = eqn_strategies(op.eqn, mesh)
+        if follow is not None:
+            strategies = _following(strategies, op, split, follow.axis)
         if any(written):
             strategies = tuple(_with_traffic(s, op.eqn.outvars, written, mesh) for s in strategies)
         if op.weight != 1:
@@ -192,6 +209,30 @@ def graph_of(
         costs[(a, b)] = costs[(a, b)] + matrix if (a, b) in costs else matrix
     edges = tuple(Edge(src=src, dst=dst, cost=m) for (src, dst), m in costs.items())
     return tuple(nodes), edges, producer
+
+
+def _following(
+    strategies: tuple[Strategy, ...], op: GraphOp, split: dict[Any, int], axis: str
+) -> tuple[Strategy, ...]:
+    """The strategies of ``op`` that read every value of ``split`` (value -> dim) split over
+    ``axis`` at that dim (all of them if none does); adds to ``split`` the outputs they all
+    make split over ``axis`` at one dim."""
+    read = [(k, split[name]) for k, name in enumerate(op.ins) if name is not None and name in split]
+    if not read:
+        return strategies
+    keep = tuple(s for s in strategies if all(_dim_of(s.input_specs[k], axis) == d for k, d in read))
+    if not keep:
+        return strategies
+    for j, name in enumerate(op.outs):
+        dims = {_dim_of(s.output_specs[j], axis) for s in keep}
+        if name is not None and len(dims) == 1 and None not in dims:
+            split[name] = dims.pop()
+    return keep
+
+
+def _dim_of(spec: Spec, axis: str) -> int | None:
+    """The dim that ``spec`` splits over ``axis``, if any."""
+    return next((d for d, entry in enumerate(spec) if axis in entry_axes(entry)), None)
 
 
 def _with_traffic(s: Strategy, outvars: Sequence[Any], written: Sequence[bool], mesh: MeshSpec) -> Strategy:
