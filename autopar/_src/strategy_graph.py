@@ -225,8 +225,9 @@ def _following(
         return strategies
     for j, name in enumerate(op.outs):
         dims = {_dim_of(s.output_specs[j], axis) for s in keep}
-        if name is not None and len(dims) == 1 and None not in dims:
-            split[name] = dims.pop()
+        (dim,) = dims if len(dims) == 1 else (None,)
+        if name is not None and dim is not None:
+            split[name] = dim
     return keep
 
 
