@@ -86,8 +86,7 @@ class Executable:
     batch_leaf_ids: tuple[int, ...]
     donated_leaf_ids: tuple[int, ...] = ()
     shardings: Sequence[StageSharding | None] = ()
-    """Per stage, the sharding ILP's answer (none: a one-device stage, or the batch split over
-    ``"data"`` and the rest replicated)."""
+    """Per stage, the sharding ILP's answer (none: a one-device stage, whose values are whole)."""
     defer_reductions: bool = True
     """Keep gradients' partial sums until the last microbatch (:mod:`~autopar._src.deferred`);
     ``False`` reduces them in every microbatch's backward (for comparison)."""
