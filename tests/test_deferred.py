@@ -14,7 +14,8 @@ from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 from flax.training import train_state
 
 import autopar
-from autopar._src import deferred, layer_sharding, partial_chains
+from autopar._src import compat, deferred, layer_sharding, partial_chains
+from autopar._src.strategy_graph import GraphOp
 from models import train
 from models.mlp import MLPConfig
 
@@ -140,6 +141,33 @@ def test_a_scatter_add_sums_partials_only_into_zeros(scatter, partial):
     made = {v: (e, e.invars, k) for e in eqns for k, v in enumerate(e.outvars)}
     (add,) = [e for e in eqns if e.primitive.name in partial_chains.SCATTER_ADD]
     assert partial_chains.sums_partials(add, add.invars, made) is partial
+
+
+def test_a_chain_passes_through_a_scatter_into_zeros_to_the_batch_sum():
+    """A position embedding's gradient sums the batch, drops a unit dim and scatters into
+    zeros. For pricing, the scatter is a root (its updates split over the rows it scatters) and
+    a link to the batch sum; the driver takes the root its layouts make partial sums."""
+
+    def grad(table, x):
+        return jax.grad(lambda t: jnp.sum(jnp.tanh(x + t[jnp.arange(x.shape[1])][None])))(table)
+
+    jaxpr = jax.make_jaxpr(grad)(jnp.ones((16, 4)), jnp.ones((8, 16, 4))).jaxpr
+    ops = [
+        GraphOp(e, tuple(None if compat.is_literal(v) else v for v in e.invars), tuple(e.outvars))
+        for e in jaxpr.eqns
+    ]
+    made = {v: e.primitive.name for e in jaxpr.eqns for v in e.outvars}
+    (total,) = jaxpr.outvars
+
+    def find(through):
+        return partial_chains.graph_chains(ops, [total], through_scatters=through)
+
+    (scattered,) = find(False)
+    (summed,) = find(True)
+    assert made[scattered.root] in partial_chains.SCATTER_ADD
+    assert made[summed.root] == "reduce_sum" and summed.root.aval.shape[0] == 16  # the batch sum
+    assert scattered.root in summed.links
+    assert partial_chains.every_chain(find) == [scattered, summed]
 
 
 def test_gradients_split_over_a_summed_axis_are_not_deferred():
@@ -323,8 +351,7 @@ def test_gradients_made_inside_calls(wrap, kernels, deferred_inside):
 def test_gpt_defers_its_block_gradients(blocks):
     """GPT blocks as large GPTs are trained, rematerialised or scanned: every gradient is
     reduced once per step, the token embedding's (a scatter-add of each device's rows into
-    zeros) too, but the position embedding's (a batch sum scattered into the table: the chain
-    is not followed through a scatter)."""
+    zeros) and the position embedding's (a sum over the batch scattered into zeros) too."""
     config = train.tiny_config("gpt", **blocks)
     step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
     batches = [train.make_batch("gpt", config, 64, seed=i) for i in range(3)]
@@ -332,10 +359,13 @@ def test_gpt_defers_its_block_gradients(blocks):
         step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
     )
     exe = par.executable(state, batches[0])
-    assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params)) - 1
+    assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params))
     per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
     mlp = ("[64,256]", "[256,64]") if "remat" in blocks else ("[2,64,256]", "[2,256,64]")
     vocab = f"[{config.vocab_size},{config.hidden}]"
-    assert not _weight_shaped(per_microbatch, (*mlp, vocab)), per_microbatch
+    positions = f"[{batches[0]['tokens'].shape[1]},{config.hidden}]"  # the batch sum, as scattered
+    assert not _weight_shaped(per_microbatch, (*mlp, vocab, positions)), per_microbatch
     eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
-    assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], (vocab,))
+    eager_per_microbatch = [c for repeated, cs in eager if repeated for c in cs]
+    assert _weight_shaped(eager_per_microbatch, (vocab,)), eager_per_microbatch
+    assert _weight_shaped(eager_per_microbatch, (positions,)), eager_per_microbatch

@@ -6,9 +6,10 @@ would be all-reduced once per microbatch. Instead, the task of each microbatch k
 device's partial sum: the equation runs under ``shard_map`` on the local blocks and returns
 them stacked along a new dim split over the reduced axes (first, or after the iterations' dim
 of a ``scan`` it leaves), so it issues no collective. Casts, transposes and reshapes on the way
-to the gradient, and the calls and scans it leaves, are applied to each partial sum (they are
-linear), the accumulator adds stacked partial sums in place, and the once-per-step mean sums
-the stacked dim (the one all-reduce) before it divides. Per device the stacked accumulator
+to the gradient, the calls and scans it leaves, and a scatter of it into zeros (a position
+embedding's gradient) are applied to each partial sum (they are linear), the accumulator adds
+stacked partial sums in place, and the once-per-step mean sums the stacked dim (the one
+all-reduce) before it divides. Per device the stacked accumulator
 holds as many bytes as the reduced one. Megatron-LM and Alpa accumulate the same way.
 """
 
@@ -27,7 +28,13 @@ from jax.sharding import Mesh, PartitionSpec
 from autopar._src import compat
 from autopar._src.collectives import Axes, Spec, entry_axes
 from autopar._src.layout_costs import spec_axes
-from autopar._src.partial_chains import PARTIAL_SUM_PRIMITIVES, Chain, gradient_chains, linear_link
+from autopar._src.partial_chains import (
+    PARTIAL_SUM_PRIMITIVES,
+    Chain,
+    gradient_chains,
+    linear_link,
+    linked_operand,
+)
 from autopar._src.program import Task
 from autopar._src.sharding_ilp import Edge, Node
 from autopar._src.strategy_graph import Inner
@@ -146,9 +153,12 @@ def made_stacked(eqn: Any) -> bool:
 def bind(eqn: Any, vals: list[Any], stacked: Stacked, out_spec: Spec, mesh: Mesh | None) -> Any:
     """``eqn`` applied to ``vals``, as stacked partial sums."""
     if stacked.operand_specs is None:  # a linear function of one stacked value
-        return jax.vmap(lambda x: compat.bind_eqn(eqn, [x])[0], in_axes=stacked.at, out_axes=stacked.at)(
-            vals[0]
-        )
+        k = linked_operand(eqn)
+
+        def link(x: Any) -> Any:
+            return compat.bind_eqn(eqn, [*vals[:k], x, *vals[k + 1 :]])[0]
+
+        return jax.vmap(link, in_axes=stacked.at, out_axes=stacked.at)(vals[k])
 
     def local(*xs: Any) -> Any:
         return compat.bind_eqn(eqn, list(xs))[0][None]

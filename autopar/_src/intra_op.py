@@ -222,7 +222,11 @@ def solve_stage(
     # Links as the graph names them (a call's or scan's result is an alias of a body value).
     chains = [
         c._replace(links=[alias_root(alias, v) for v in c.links])
-        for c in partial_chains.gradient_chains(program.tasks, stage, lambda v: True)
+        for c in partial_chains.every_chain(
+            lambda through: partial_chains.gradient_chains(
+                program.tasks, stage, lambda v: True, through_scatters=through
+            )
+        )
     ]
     runs = Counter(c.root for c in chains)  # one chain per microbatch's task
     nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)

@@ -199,7 +199,11 @@ def _solve(
     if microbatches > 1 and gradients == "megatron":
         nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
     elif microbatches > 1:
-        chains = partial_chains.graph_chains(ops, carried, problems.loops)
+
+        def find(through: bool) -> list[partial_chains.Chain]:
+            return partial_chains.graph_chains(ops, carried, problems.loops, through_scatters=through)
+
+        chains = partial_chains.every_chain(find)
         runs = {chain.root: microbatches for chain in chains}
         nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)[0]

@@ -25,6 +25,8 @@ from autopar._src.strategy_graph import GraphOp, Inner
 
 SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
 """A ``scatter-add``'s primitive name (JAX versions spell it either way)."""
+SCATTER_UPDATES = 2
+"""A ``scatter-add``'s updates operand (after the operand and the indices)."""
 PARTIAL_SUM_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "reduce_sum"}) | SCATTER_ADD
 """Primitives whose result on local blocks is a partial sum of the result's block when a
 contracted (or reduced) dim is split: applied to every device's blocks and summed, they give
@@ -49,7 +51,9 @@ class Chain(NamedTuple):
     the total."""
 
 
-def gradient_chains(tasks: Sequence[Task], stage: int, is_partial: Callable[[Any], bool]) -> list[Chain]:
+def gradient_chains(
+    tasks: Sequence[Task], stage: int, is_partial: Callable[[Any], bool], *, through_scatters: bool = False
+) -> list[Chain]:
     """The :class:`Chain` of every gradient of ``stage`` that is made as partial sums: its root
     by an equation of :data:`PARTIAL_SUM_PRIMITIVES` (for which ``is_partial`` holds for its
     variable), its links by linear equations from it, the last one the value the accumulator
@@ -57,10 +61,12 @@ def gradient_chains(tasks: Sequence[Task], stage: int, is_partial: Callable[[Any
     rematerialised block's weight gradients are made inside its backward call) and out of a
     ``scan`` as a stacked result (a scanned layer stack's): their values are named
     :class:`~autopar._src.strategy_graph.Inner` as the ILP names them, and the call's result
-    is a link."""
+    is a link. A ``scatter-add`` into zeros is a root where ``is_partial`` holds for it (and
+    ``through_scatters`` is off), and otherwise a link, linear in its updates (a position
+    embedding's gradient scatters a sum over the batch)."""
 
     def descend(eqn: Any, index: int) -> tuple[list[tuple[Any, int]], int] | None:
-        return _call_chain(eqn, index, (), is_partial)
+        return _call_chain(eqn, index, (), is_partial, through_scatters)
 
     chains = []
     for task in tasks:
@@ -77,7 +83,9 @@ def gradient_chains(tasks: Sequence[Task], stage: int, is_partial: Callable[[Any
         reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
         reads.update(task.out_keys)
         for op in adds:
-            chain = _partial_chain(op.ins[1], made, reads, 0, is_partial, descend, name_of=lambda k: k[0])
+            chain = _partial_chain(
+                op.ins[1], made, reads, 0, is_partial, descend, lambda k: k[0], through_scatters
+            )
             if chain is not None:
                 chains.append(_chain(chain, op.out[0]))
     return chains
@@ -90,7 +98,11 @@ def _chain(names: list[tuple[Any, int]], total: Any) -> Chain:
 
 
 def graph_chains(
-    ops: Sequence[GraphOp], grads: Iterable[Any], loops: frozenset[int] = frozenset()
+    ops: Sequence[GraphOp],
+    grads: Iterable[Any],
+    loops: frozenset[int] = frozenset(),
+    *,
+    through_scatters: bool = False,
 ) -> list[Chain]:
     """:func:`gradient_chains` of one microbatch's equations (named values, calls expanded, see
     :class:`~autopar._src.strategy_graph.GraphOp`), for the gradients ``grads`` (each chain's
@@ -103,7 +115,9 @@ def graph_chains(
     reads = Counter(name for op in ops for name in op.ins if name is not None)
     chains = []
     for g in grads:
-        chain = _partial_chain(g, made, reads, 0, lambda name: True, lambda eqn, index: None)
+        chain = _partial_chain(
+            g, made, reads, 0, lambda name: True, lambda eqn, index: None, through=through_scatters
+        )
         if chain is not None and not any(
             isinstance(name, Inner) and loops.intersection(name.path) for name, _ in chain
         ):
@@ -130,28 +144,50 @@ def _partial_chain(
     is_partial: Callable[[Any], bool],
     descend: Callable[[Any, int], tuple[list[tuple[Any, int]], int] | None],
     name_of: Callable[[Any], Any] = lambda name: name,
+    through: bool = False,
 ) -> list[tuple[Any, int]] | None:
     """``(name, stacked dim position)`` from a partial-sum equation's result to ``name`` (read
     ``first_reads`` times), each link read only by the next; None if there is no such chain.
     ``made`` maps a value to its equation, operands and result index; ``descend(eqn, index)``
     is the chain inside a call whose ``index``-th result is a link, and how many dims the call
-    puts before the stacked one, if any."""
+    puts before the stacked one, if any. With ``through``, a ``scatter-add`` into zeros is
+    only ever a link."""
     chain: list[Any] = []
     while name is not None and not compat.is_literal(name) and name in made:
         if reads.get(name, 0) != (1 if chain else first_reads):
             return None
         eqn, ins, index = made[name]
         chain.append(name_of(name))
-        if sums_partials(eqn, ins, made) and is_partial(chain[-1]):
+        scatter = eqn.primitive.name in SCATTER_ADD
+        if sums_partials(eqn, ins, made) and is_partial(chain[-1]) and not (through and scatter):
             return [(n, 0) for n in reversed(chain)]
         inside = descend(eqn, index)
         if inside is not None:
             inner, lift = inside
             return inner + [(n, inner[-1][1] + lift) for n in reversed(chain)]
-        if not linear_link(eqn, ins):
+        if scatter and sums_partials(eqn, ins, made):
+            name = ins[SCATTER_UPDATES]
+        elif linear_link(eqn, ins):
+            name = ins[0]
+        else:
             return None
-        name = ins[0]
     return None
+
+
+def every_chain(find: Callable[[bool], list[Chain]]) -> list[Chain]:
+    """The chains some layout makes, for pricing: ``find(through_scatters)`` (a
+    :func:`gradient_chains` or :func:`graph_chains` that admits any root) with each
+    ``scatter-add`` into zeros as a root (its updates split over the scattered rows), and
+    also as a link to the root before it (its updates summed over the batch first)."""
+    chains = find(False)
+    roots = {c.root for c in chains}
+    return chains + [c for c in find(True) if c.root not in roots]
+
+
+def linked_operand(eqn: Any) -> int:
+    """The operand a chain's link ``eqn`` is linear in: a ``scatter-add``'s updates (into zeros,
+    see :func:`sums_partials`), the only operand of the others."""
+    return SCATTER_UPDATES if eqn.primitive.name in SCATTER_ADD else 0
 
 
 def sums_partials(eqn: Any, ins: Sequence[Any], made: Mapping[Any, tuple[Any, Sequence[Any], int]]) -> bool:
@@ -160,8 +196,8 @@ def sums_partials(eqn: Any, ins: Sequence[Any], made: Mapping[Any, tuple[Any, Se
     ``made`` shows (every device adds its scattered rows to its own copy of the operand, so
     the operand must add nothing)."""
     name = eqn.primitive.name
-    if name not in PARTIAL_SUM_PRIMITIVES:
-        return False
+    if name not in PARTIAL_SUM_PRIMITIVES or (name == "reduce_sum" and _keeps_size(eqn)):
+        return False  # (a sum over unit dims is a reshape: a link)
     if name not in SCATTER_ADD:
         return True
     operand = None if ins[0] is None or compat.is_literal(ins[0]) else made.get(ins[0])
@@ -177,16 +213,21 @@ def _zeros(eqn: Any) -> bool:
 
 def linear_link(eqn: Any, ins: Sequence[Any]) -> bool:
     """Whether ``eqn`` is a one-operand equation that may be applied to each partial sum: one
-    of :data:`LINEAR_PRIMITIVES`, or a broadcast that only adds unit dims."""
+    of :data:`LINEAR_PRIMITIVES`, or a broadcast or sum that only adds or drops unit dims."""
     if len(ins) != 1:
         return False
-    if eqn.primitive.name == "broadcast_in_dim":
-        return math.prod(eqn.invars[0].aval.shape) == math.prod(eqn.outvars[0].aval.shape)
+    if eqn.primitive.name in ("broadcast_in_dim", "reduce_sum"):
+        return _keeps_size(eqn)
     return eqn.primitive.name in LINEAR_PRIMITIVES
 
 
+def _keeps_size(eqn: Any) -> bool:
+    """Whether ``eqn``'s first result has as many elements as its first operand."""
+    return math.prod(eqn.invars[0].aval.shape) == math.prod(eqn.outvars[0].aval.shape)
+
+
 def _call_chain(
-    eqn: Any, index: int, path: tuple[int, ...], is_partial: Callable[[Any], bool]
+    eqn: Any, index: int, path: tuple[int, ...], is_partial: Callable[[Any], bool], through: bool
 ) -> tuple[list[tuple[Any, int]], int] | None:
     """The chain that ends at result ``index`` of ``eqn`` inside its body, and the dims the
     equation puts before the stacked dim (a ``scan``'s stacked result: 1), for a nested
@@ -210,7 +251,7 @@ def _call_chain(
         return None
 
     def descend(inner_eqn: Any, k: int) -> tuple[list[tuple[Any, int]], int] | None:
-        return _call_chain(inner_eqn, k, here, is_partial)
+        return _call_chain(inner_eqn, k, here, is_partial, through)
 
-    chain = _partial_chain(Inner(here, out), made, reads, 1, is_partial, descend)
+    chain = _partial_chain(Inner(here, out), made, reads, 1, is_partial, descend, through=through)
     return None if chain is None else (chain, int(loop is not None))
