@@ -369,3 +369,45 @@ def test_gpt_defers_its_block_gradients(blocks):
     eager_per_microbatch = [c for repeated, cs in eager if repeated for c in cs]
     assert _weight_shaped(eager_per_microbatch, (vocab,)), eager_per_microbatch
     assert _weight_shaped(eager_per_microbatch, (positions,)), eager_per_microbatch
+
+
+def test_bert_defers_its_tied_embedding_gradient():
+    """BERT's masked-LM head decodes with the token embedding: its gradient adds the head's
+    matmul (a batch contraction) to the lookup's scatter into zeros, two partial sums, so it is
+    reduced once per step like every other gradient; the parameters stay those of jax.jit."""
+    config = train.tiny_config("bert")
+    step, state = train.setup("bert", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("bert", config, 64, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
+    )
+    exe = par.executable(state, batches[0])
+    assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params))
+    vocab = f"[{config.vocab_size},{config.hidden}]"
+    per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
+    assert not _weight_shaped(per_microbatch, (vocab,)), per_microbatch
+    eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
+    assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], (vocab,))
+
+
+def test_a_tied_gradient_is_deferred_whole_or_not_at_all():
+    """The two uses of a tied weight make one gradient from two partial sums: where the layouts
+    leave only one of them partial, neither is kept stacked (the sum of a stacked and a reduced
+    value has no per-device meaning)."""
+    config = train.tiny_config("bert")
+    step, state = train.setup("bert", "linen", config, OPTIMIZERS["sgd"]())
+    exe = autopar.autoparallel(step, num_stages=1, num_microbatches=4, mesh_shape=(8,)).executable(
+        state, train.make_batch("bert", config, 64, seed=0)
+    )
+    chosen, kept = exe.shardings[0], exe.deferred[0]
+    chains = partial_chains.gradient_chains(exe.program.tasks, 0, chosen.partial_sums.__contains__)
+    tied = [c for c in chains if c.total.aval.shape == (config.vocab_size, config.hidden)]
+    roots = {c.root for c in tied}
+    assert len(roots) == 2 and len({c.total for c in tied}) == 1  # a matmul and a scatter
+    (total,) = {c.total for c in tied}
+    assert total in kept.accumulators and roots <= set(kept.values)
+    for root in roots:
+        partial = {k: v for k, v in chosen.partial_sums.items() if k != root}
+        again = deferred.deferred_sums(exe.program.tasks, 0, partial, chosen.specs)
+        assert total not in again.accumulators and not roots & set(again.values)
+        assert set(again.accumulators) == set(kept.accumulators) - {total}

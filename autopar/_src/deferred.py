@@ -32,8 +32,9 @@ from autopar._src.partial_chains import (
     PARTIAL_SUM_PRIMITIVES,
     Chain,
     gradient_chains,
+    joins,
     linear_link,
-    linked_operand,
+    linked_operands,
 )
 from autopar._src.program import Task
 from autopar._src.sharding_ilp import Edge, Node
@@ -116,9 +117,6 @@ def deferred_sums(
     """
     values: dict[Any, Stacked] = {}
     accumulators: dict[Any, Stacked] = {}
-    by_root: dict[Any, list[Chain]] = {}
-    for chain in gradient_chains(tasks, stage, partial_sums.__contains__):
-        by_root.setdefault(chain.root, []).append(chain)
 
     def qualifies(chain: Chain) -> bool:
         axes = partial_sums[chain.root][1]
@@ -127,17 +125,30 @@ def deferred_sums(
         # A link must not fold the iterations' dims the stacked dim comes after.
         return all(len(_aval(v).shape) >= at for v, at in chain.at.items())
 
-    for root, chains in by_root.items():
-        # One value may be several gradients (a loss reading ``a + b`` has ``(m, m)``): it is
-        # stacked for all of their sums or for none.
-        if not all(qualifies(c) for c in chains):
+    # One value may be several gradients (a loss reading ``a + b`` has ``(m, m)``), and one
+    # gradient the sum of several (a tied weight's): chains sharing a root or a gradient are
+    # stacked all, over the same axes, or none.
+    for chains in _sharing(gradient_chains(tasks, stage, partial_sums.__contains__)):
+        axes = {partial_sums[c.root][1] for c in chains}
+        if len(axes) != 1 or not all(qualifies(c) for c in chains):
             continue
-        operand_specs, axes = partial_sums[root]
-        values[root] = Stacked(axes, operand_specs)
         for chain in chains:
-            values.update((v, Stacked(axes, at=chain.at[v])) for v in chain.links)
-            accumulators[chain.total] = Stacked(axes, at=chain.at[chain.total])
+            operand_specs, summed = partial_sums[chain.root]
+            values[chain.root] = Stacked(summed, operand_specs)
+            values.update((v, Stacked(summed, at=chain.at[v])) for v in chain.links)
+            accumulators[chain.total] = Stacked(summed, at=chain.at[chain.total])
     return Deferred(values, accumulators)
+
+
+def _sharing(chains: Sequence[Chain]) -> list[list[Chain]]:
+    """``chains`` grouped by shared roots and gradients (connected components)."""
+    groups: list[tuple[set[Any], list[Chain]]] = []
+    for chain in chains:
+        ends = {("root", chain.root), ("total", chain.total)}
+        touching = [g for g in groups if g[0] & ends]
+        merged = (ends.union(*(g[0] for g in touching)), [c for g in touching for c in g[1]] + [chain])
+        groups = [g for g in groups if not any(g is t for t in touching)] + [merged]
+    return [members for _, members in groups]
 
 
 def _aval(name: Any) -> Any:
@@ -147,18 +158,19 @@ def _aval(name: Any) -> Any:
 def made_stacked(eqn: Any) -> bool:
     """Whether a stacked result of ``eqn`` is made by :func:`bind` (a partial-sum or linear
     equation), rather than by a call whose body makes it."""
-    return eqn.primitive.name in PARTIAL_SUM_PRIMITIVES or linear_link(eqn, eqn.invars)
+    return (
+        eqn.primitive.name in PARTIAL_SUM_PRIMITIVES or linear_link(eqn, eqn.invars) or joins(eqn, eqn.invars)
+    )
 
 
 def bind(eqn: Any, vals: list[Any], stacked: Stacked, out_spec: Spec, mesh: Mesh | None) -> Any:
     """``eqn`` applied to ``vals``, as stacked partial sums."""
-    if stacked.operand_specs is None:  # a linear function of one stacked value
-        k = linked_operand(eqn)
-
-        def link(x: Any) -> Any:
-            return compat.bind_eqn(eqn, [*vals[:k], x, *vals[k + 1 :]])[0]
-
-        return jax.vmap(link, in_axes=stacked.at, out_axes=stacked.at)(vals[k])
+    if stacked.operand_specs is None:  # a linear function of stacked values
+        linked = linked_operands(eqn)
+        in_axes = [stacked.at if k in linked else None for k in range(len(vals))]
+        return jax.vmap(lambda *xs: compat.bind_eqn(eqn, list(xs))[0], in_axes=in_axes, out_axes=stacked.at)(
+            *vals
+        )
 
     def local(*xs: Any) -> Any:
         return compat.bind_eqn(eqn, list(xs))[0][None]

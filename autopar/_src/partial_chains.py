@@ -32,8 +32,14 @@ PARTIAL_SUM_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "redu
 contracted (or reduced) dim is split: applied to every device's blocks and summed, they give
 the whole result. A ``scatter-add`` is one only into zeros (:func:`sums_partials`): an
 embedding's gradient, the transpose of its lookup, scatters each device's rows of the batch."""
+ADDS = frozenset({"add_any", "add"})
+"""Additions: of two partial sums over the same axes, a partial sum (see :func:`joins`)."""
 LINEAR_PRIMITIVES = frozenset({"convert_element_type", "transpose", "copy", "copy_p", "reshape"})
 """One-operand primitives that may be applied to each partial sum instead of to their sum."""
+
+
+Path = list[tuple[Any, int]]
+"""``(name, stacked dim position)`` from a partial sum's root to a gradient."""
 
 
 class Chain(NamedTuple):
@@ -65,7 +71,7 @@ def gradient_chains(
     ``through_scatters`` is off), and otherwise a link, linear in its updates (a position
     embedding's gradient scatters a sum over the batch)."""
 
-    def descend(eqn: Any, index: int) -> tuple[list[tuple[Any, int]], int] | None:
+    def descend(eqn: Any, index: int) -> tuple[list[Path], int] | None:
         return _call_chain(eqn, index, (), is_partial, through_scatters)
 
     chains = []
@@ -83,15 +89,14 @@ def gradient_chains(
         reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
         reads.update(task.out_keys)
         for op in adds:
-            chain = _partial_chain(
+            paths = _partial_chain(
                 op.ins[1], made, reads, 0, is_partial, descend, lambda k: k[0], through_scatters
             )
-            if chain is not None:
-                chains.append(_chain(chain, op.out[0]))
+            chains.extend(_chain(path, op.out[0]) for path in paths or ())
     return chains
 
 
-def _chain(names: list[tuple[Any, int]], total: Any) -> Chain:
+def _chain(names: Path, total: Any) -> Chain:
     at = dict(names[1:])
     at[total] = names[-1][1]
     return Chain(names[0][0], [name for name, _ in names[1:]], total, at)
@@ -115,13 +120,13 @@ def graph_chains(
     reads = Counter(name for op in ops for name in op.ins if name is not None)
     chains = []
     for g in grads:
-        chain = _partial_chain(
+        paths = _partial_chain(
             g, made, reads, 0, lambda name: True, lambda eqn, index: None, through=through_scatters
         )
-        if chain is not None and not any(
-            isinstance(name, Inner) and loops.intersection(name.path) for name, _ in chain
+        if paths and not any(
+            isinstance(name, Inner) and loops.intersection(name.path) for path in paths for name, _ in path
         ):
-            chains.append(_chain(chain, g))
+            chains.extend(_chain(path, g) for path in paths)
     return chains
 
 
@@ -142,17 +147,22 @@ def _partial_chain(
     reads: Mapping[Any, int],
     first_reads: int,
     is_partial: Callable[[Any], bool],
-    descend: Callable[[Any, int], tuple[list[tuple[Any, int]], int] | None],
+    descend: Callable[[Any, int], tuple[list[Path], int] | None],
     name_of: Callable[[Any], Any] = lambda name: name,
     through: bool = False,
-) -> list[tuple[Any, int]] | None:
-    """``(name, stacked dim position)`` from a partial-sum equation's result to ``name`` (read
-    ``first_reads`` times), each link read only by the next; None if there is no such chain.
-    ``made`` maps a value to its equation, operands and result index; ``descend(eqn, index)``
-    is the chain inside a call whose ``index``-th result is a link, and how many dims the call
-    puts before the stacked one, if any. With ``through``, a ``scatter-add`` into zeros is
-    only ever a link."""
+) -> list[Path] | None:
+    """The paths from partial-sum equations' results to ``name`` (read ``first_reads``
+    times), each link read only by the next; None if there are none. An addition of two values
+    (a tied weight's two uses) joins a path from each, and only both are paths. ``made`` maps a
+    value to its equation, operands and result index; ``descend(eqn, index)`` is the paths
+    inside a call whose ``index``-th result is a link, and how many dims the call puts before
+    the stacked one, if any. With ``through``, a ``scatter-add`` into zeros is only ever a
+    link."""
     chain: list[Any] = []
+
+    def tail(at: int) -> Path:
+        return [(n, at) for n in reversed(chain)]
+
     while name is not None and not compat.is_literal(name) and name in made:
         if reads.get(name, 0) != (1 if chain else first_reads):
             return None
@@ -160,11 +170,19 @@ def _partial_chain(
         chain.append(name_of(name))
         scatter = eqn.primitive.name in SCATTER_ADD
         if sums_partials(eqn, ins, made) and is_partial(chain[-1]) and not (through and scatter):
-            return [(n, 0) for n in reversed(chain)]
+            return [tail(0)]
         inside = descend(eqn, index)
         if inside is not None:
             inner, lift = inside
-            return inner + [(n, inner[-1][1] + lift) for n in reversed(chain)]
+            return [path + tail(path[-1][1] + lift) for path in inner]
+        if joins(eqn, ins):
+            branches = [_partial_chain(x, made, reads, 1, is_partial, descend, name_of, through) for x in ins]
+            paths = [path for branch in branches if branch is not None for path in branch]
+            ats = {path[-1][1] for path in paths}
+            if None in branches or len(ats) != 1:
+                return None
+            at = ats.pop()
+            return [path + tail(at) for path in paths]
         if scatter and sums_partials(eqn, ins, made):
             name = ins[SCATTER_UPDATES]
         elif linear_link(eqn, ins):
@@ -184,10 +202,23 @@ def every_chain(find: Callable[[bool], list[Chain]]) -> list[Chain]:
     return chains + [c for c in find(True) if c.root not in roots]
 
 
-def linked_operand(eqn: Any) -> int:
-    """The operand a chain's link ``eqn`` is linear in: a ``scatter-add``'s updates (into zeros,
-    see :func:`sums_partials`), the only operand of the others."""
-    return SCATTER_UPDATES if eqn.primitive.name in SCATTER_ADD else 0
+def linked_operands(eqn: Any) -> tuple[int, ...]:
+    """The operands a chain's link ``eqn`` is linear in: a ``scatter-add``'s updates (into
+    zeros, see :func:`sums_partials`), both of an addition, the only one of the others."""
+    if eqn.primitive.name in SCATTER_ADD:
+        return (SCATTER_UPDATES,)
+    return (0, 1) if eqn.primitive.name in ADDS else (0,)
+
+
+def joins(eqn: Any, ins: Sequence[Any]) -> bool:
+    """Whether ``eqn`` adds two values of its result's shape (what differentiation makes of a
+    value used twice)."""
+    return (
+        eqn.primitive.name in ADDS
+        and len(ins) == 2
+        and all(x is not None and not compat.is_literal(x) for x in ins)
+        and all(v.aval.shape == eqn.outvars[0].aval.shape for v in eqn.invars)
+    )
 
 
 def sums_partials(eqn: Any, ins: Sequence[Any], made: Mapping[Any, tuple[Any, Sequence[Any], int]]) -> bool:
@@ -228,8 +259,8 @@ def _keeps_size(eqn: Any) -> bool:
 
 def _call_chain(
     eqn: Any, index: int, path: tuple[int, ...], is_partial: Callable[[Any], bool], through: bool
-) -> tuple[list[tuple[Any, int]], int] | None:
-    """The chain that ends at result ``index`` of ``eqn`` inside its body, and the dims the
+) -> tuple[list[Path], int] | None:
+    """The paths that end at result ``index`` of ``eqn`` inside its body, and the dims the
     equation puts before the stacked dim (a ``scan``'s stacked result: 1), for a nested
     ``jit`` or rematerialised call or a ``scan``'s stacked result; None for other equations
     and results, or if there is none."""
@@ -250,8 +281,8 @@ def _call_chain(
     if compat.is_literal(out):
         return None
 
-    def descend(inner_eqn: Any, k: int) -> tuple[list[tuple[Any, int]], int] | None:
+    def descend(inner_eqn: Any, k: int) -> tuple[list[Path], int] | None:
         return _call_chain(inner_eqn, k, here, is_partial, through)
 
-    chain = _partial_chain(Inner(here, out), made, reads, 1, is_partial, descend, through=through)
-    return None if chain is None else (chain, int(loop is not None))
+    paths = _partial_chain(Inner(here, out), made, reads, 1, is_partial, descend, through=through)
+    return None if paths is None else (paths, int(loop is not None))
