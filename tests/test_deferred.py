@@ -353,22 +353,13 @@ def test_gpt_defers_its_block_gradients(blocks):
     reduced once per step, the token embedding's (a scatter-add of each device's rows into
     zeros) and the position embedding's (a sum over the batch scattered into zeros) too."""
     config = train.tiny_config("gpt", **blocks)
-    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
-    batches = [train.make_batch("gpt", config, 64, seed=i) for i in range(3)]
-    par = assert_same_as_jit(
-        step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
-    )
-    exe = par.executable(state, batches[0])
-    assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params))
-    per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
+    per_microbatch, eager, batch = _defers_every_gradient("gpt", config)
     mlp = ("[64,256]", "[256,64]") if "remat" in blocks else ("[2,64,256]", "[2,256,64]")
     vocab = f"[{config.vocab_size},{config.hidden}]"
-    positions = f"[{batches[0]['tokens'].shape[1]},{config.hidden}]"  # the batch sum, as scattered
+    positions = f"[{batch['tokens'].shape[1]},{config.hidden}]"  # the batch sum, as scattered
     assert not _weight_shaped(per_microbatch, (*mlp, vocab, positions)), per_microbatch
-    eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
-    eager_per_microbatch = [c for repeated, cs in eager if repeated for c in cs]
-    assert _weight_shaped(eager_per_microbatch, (vocab,)), eager_per_microbatch
-    assert _weight_shaped(eager_per_microbatch, (positions,)), eager_per_microbatch
+    assert _weight_shaped(eager, (vocab,)), eager
+    assert _weight_shaped(eager, (positions,)), eager
 
 
 def test_bert_defers_its_tied_embedding_gradient():
@@ -376,18 +367,28 @@ def test_bert_defers_its_tied_embedding_gradient():
     matmul (a batch contraction) to the lookup's scatter into zeros, two partial sums, so it is
     reduced once per step like every other gradient; the parameters stay those of jax.jit."""
     config = train.tiny_config("bert")
-    step, state = train.setup("bert", "linen", config, OPTIMIZERS["adamw"]())
-    batches = [train.make_batch("bert", config, 64, seed=i) for i in range(3)]
+    per_microbatch, eager, _ = _defers_every_gradient("bert", config)
+    vocab = f"[{config.vocab_size},{config.hidden}]"
+    assert not _weight_shaped(per_microbatch, (vocab,)), per_microbatch
+    assert _weight_shaped(eager, (vocab,)), eager
+
+
+def _defers_every_gradient(kind, config):
+    """One stage of ``kind`` on 8 devices, 4 microbatches, 3 adamw steps equal to jax.jit's, with
+    every gradient kept as partial sums. Returns the collectives of the tasks that run each
+    microbatch, deferred and with deferral off, and the first batch."""
+    step, state = train.setup(kind, "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch(kind, config, 64, seed=i) for i in range(3)]
     par = assert_same_as_jit(
         step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=4, mesh_shape=(8,)
     )
     exe = par.executable(state, batches[0])
     assert len(exe.deferred[0].accumulators) == len(jax.tree.leaves(state.params))
-    vocab = f"[{config.vocab_size},{config.hidden}]"
-    per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
-    assert not _weight_shaped(per_microbatch, (vocab,)), per_microbatch
-    eager = _task_collectives(dataclasses.replace(exe, defer_reductions=False))
-    assert _weight_shaped([c for repeated, cs in eager if repeated for c in cs], (vocab,))
+    found = [
+        [c for repeated, cs in _task_collectives(e) if repeated for c in cs]
+        for e in (exe, dataclasses.replace(exe, defer_reductions=False))
+    ]
+    return found[0], found[1], batches[0]
 
 
 def test_a_tied_gradient_is_deferred_whole_or_not_at_all():

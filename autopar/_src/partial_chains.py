@@ -74,7 +74,7 @@ def gradient_chains(
     def descend(eqn: Any, index: int) -> tuple[list[Path], int] | None:
         return _call_chain(eqn, index, (), is_partial, through_scatters)
 
-    chains = []
+    chains: list[Chain] = []
     for task in tasks:
         if task.stage != stage:
             continue
@@ -118,7 +118,7 @@ def graph_chains(
         out: (op.eqn, op.ins, index) for op in ops for index, out in enumerate(op.outs) if out is not None
     }
     reads = Counter(name for op in ops for name in op.ins if name is not None)
-    chains = []
+    chains: list[Chain] = []
     for g in grads:
         paths = _partial_chain(
             g, made, reads, 0, lambda name: True, lambda eqn, index: None, through=through_scatters
