@@ -1,16 +1,17 @@
 """Gradient all-reduces deferred to the end of the step.
 
 With several microbatches, a weight gradient whose layout finishes partial sums over a mesh
-axis (data parallelism's weight-gradient matmul contracts the batch split over ``data``)
-would be all-reduced once per microbatch. Instead, the task of each microbatch keeps every
-device's partial sum: the equation runs under ``shard_map`` on the local blocks and returns
-them stacked along a new dim split over the reduced axes (first, or after the iterations' dim
-of a ``scan`` it leaves), so it issues no collective. Casts, transposes and reshapes on the way
-to the gradient, the calls and scans it leaves, and a scatter of it into zeros (a position
-embedding's gradient) are applied to each partial sum (they are linear), the accumulator adds
-stacked partial sums in place, and the once-per-step mean sums the stacked dim (the one
-all-reduce) before it divides. Per device the stacked accumulator
-holds as many bytes as the reduced one. Megatron-LM and Alpa accumulate the same way.
+axis (data parallelism's weight-gradient matmul contracts the batch split over ``data``) would
+be all-reduced once per microbatch. Instead, the task of each microbatch keeps every device's
+partial sum: the equation runs under ``shard_map`` on the local blocks and returns them stacked
+along a new dim split over the reduced axes (first, or after the iterations' dim of a ``scan``
+it leaves), so it issues no collective. Casts, transposes and reshapes on the way to the
+gradient, the calls and scans it leaves, a scatter of it into zeros (a position embedding's
+gradient) and its addition to another such chain's value (a tied weight's) are applied to each
+partial sum (they are linear), the accumulator adds stacked partial sums in place, and the
+once-per-step mean sums the stacked dim (the one all-reduce) before it divides. Per device the
+stacked accumulator holds as many bytes as the reduced one. Megatron-LM and Alpa accumulate the
+same way.
 """
 
 from __future__ import annotations
