@@ -409,6 +409,9 @@ def test_a_tied_gradient_is_deferred_whole_or_not_at_all():
     assert total in kept.accumulators and roots <= set(kept.values)
     for root in roots:
         partial = {k: v for k, v in chosen.partial_sums.items() if k != root}
-        again = deferred.deferred_sums(exe.program.tasks, 0, partial, chosen.specs)
-        assert total not in again.accumulators and not roots & set(again.values)
-        assert set(again.accumulators) == set(kept.accumulators) - {total}
+        # ... or partial over another axis than the other one (a 2-D mesh's "model").
+        other = {**chosen.partial_sums, root: (chosen.partial_sums[root][0], ("model",))}
+        for sums in (partial, other):
+            again = deferred.deferred_sums(exe.program.tasks, 0, sums, chosen.specs)
+            assert total not in again.accumulators and not roots & set(again.values)
+            assert set(again.accumulators) == set(kept.accumulators) - {total}
