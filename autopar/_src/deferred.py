@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import networkx as nx
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
@@ -143,13 +144,13 @@ def deferred_sums(
 
 def _sharing(chains: Sequence[Chain]) -> list[list[Chain]]:
     """``chains`` grouped by shared roots and gradients (connected components)."""
-    groups: list[tuple[set[Any], list[Chain]]] = []
-    for chain in chains:
-        ends = {("root", chain.root), ("total", chain.total)}
-        touching = [g for g in groups if g[0] & ends]
-        merged = (ends.union(*(g[0] for g in touching)), [c for g in touching for c in g[1]] + [chain])
-        groups = [g for g in groups if not any(g is t for t in touching)] + [merged]
-    return [members for _, members in groups]
+    graph = nx.Graph()
+    graph.add_edges_from((("root", c.root), ("total", c.total)) for c in chains)
+    group = {node: k for k, nodes in enumerate(nx.connected_components(graph)) for node in nodes}
+    groups: dict[int, list[Chain]] = {}
+    for c in chains:
+        groups.setdefault(group[("root", c.root)], []).append(c)
+    return list(groups.values())
 
 
 def _aval(name: Any) -> Any:

@@ -80,7 +80,7 @@ def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
     it did."""
     from autopar._src import planner
 
-    inputs, stashes, sums, rest, _ = planner.planned_peak(profile, exe.plan, stage)
+    inputs, stashes, sums, rest = planner.planned_peak(profile, exe.plan, stage)
     chosen = exe.shardings[stage] if exe.shardings else None
     if chosen is None:
         return inputs + stashes + sums + rest

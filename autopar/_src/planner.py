@@ -111,9 +111,6 @@ class PeakParts(NamedTuple):
     rest: float
     """The backward's transients, which it does not (with one microbatch, also its gradients,
     which are the sums)."""
-    microbatch_gradients: float
-    """The part of ``rest`` that is one microbatch's parameter gradients, held whole while a
-    backward runs (until they are reduced and added to the sums)."""
 
 
 def in_flight(plan: Plan, stage: int) -> int:
@@ -141,7 +138,6 @@ def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
         stashes=in_flight(plan, stage) * per_flight,
         gradient_sums=sums,
         rest=fixed - inputs - sums,
-        microbatch_gradients=params / tp,
     )
 
 
