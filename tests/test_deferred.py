@@ -15,6 +15,7 @@ from flax.training import train_state
 
 import autopar
 from autopar._src import compat, deferred, layer_sharding, partial_chains
+from autopar._src.program import Transfer
 from autopar._src.strategy_graph import GraphOp
 from models import train
 from models.mlp import MLPConfig
@@ -415,3 +416,29 @@ def test_a_tied_gradient_is_deferred_whole_or_not_at_all():
             again = deferred.deferred_sums(exe.program.tasks, 0, sums, chosen.specs)
             assert total not in again.accumulators and not roots & set(again.values)
             assert set(again.accumulators) == set(kept.accumulators) - {total}
+
+
+def test_a_weight_tied_across_stages_is_summed_per_stage_and_added_once_per_step():
+    """A GPT whose logits decode with the token embedding, on two stages: the embedding's
+    gradient adds the last stage's matmul to the first stage's scatter. Each stage keeps its
+    own running sum, as partial sums, and the two are added once per step: nothing vocab-sized
+    crosses stages or is all-reduced in a microbatch's task. Equal to jax.jit over 3 steps."""
+    config = train.tiny_config("gpt", tie_embeddings=True)
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("gpt", config, 64, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=4, mesh_shape=(4,)
+    )
+    exe = par.executable(state, batches[0])
+    vocab = (config.vocab_size, config.hidden)
+    sent = [i for i in exe.program.instrs if isinstance(i, Transfer) and i.key[0].aval.shape == vocab]
+    assert [(i.key[1], i.src, i.dst) for i in sent] == [(None, 1, 0)], sent  # the last stage's mean
+    for stage in (0, 1):
+        assert vocab in {v.aval.shape for v in exe.deferred[stage].accumulators}, stage
+    shape = f"[{config.vocab_size},{config.hidden}]"
+    found = [
+        [c for repeated, cs in _task_collectives(e) if repeated for c in cs]
+        for e in (exe, dataclasses.replace(exe, defer_reductions=False))
+    ]
+    assert not _weight_shaped(found[0], (shape,)), found[0]
+    assert _weight_shaped(found[1], (shape,)), found[1]

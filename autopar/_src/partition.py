@@ -153,6 +153,8 @@ def build_program(
     stage_ops: dict[tuple[int, str], list[Any]] = {}  # (stage, pass) -> the region's equations
     acc_specs: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
     joined: dict[Any, region_outputs.Joined] = {}  # per-example region outputs: their whole-batch value
+    splits: dict[Any, region_outputs.SplitSum] = {}  # region outputs added up once per step
+    made_in: dict[Any, tuple[int, str]] = {}  # region values: the (stage, pass) that makes them
     producer_stage: dict[Any, int] = {}
     consumer_stages: dict[Any, set[int]] = {}
     rkey = None
@@ -175,7 +177,6 @@ def build_program(
             return (a, j)
 
         placement = region_eqn_placement(rj, plan.layer_to_stage())
-        made_in: dict[Any, tuple[int, str]] = {}
         for eqn, where in zip(rj.eqns, placement, strict=True):
             stage_ops.setdefault(where, []).append(eqn)
             for v in _eqn_outvars(eqn):
@@ -185,10 +186,23 @@ def build_program(
                     consumer_stages.setdefault(rmap[a], set()).add(where[0])
         last_fwd = (plan.num_stages - 1, "F")
         joined = region_outputs.joined_outputs(step, per_example or {}, nmb)
+        pairs = [
+            (rv, ov)
+            for rv, ov in zip(rj.outvars, region.outvars, strict=True)
+            if not compat.is_dropvar(ov) and ov not in joined
+        ]
+        splits = region_outputs.split_sums(rj, pairs, made_in) if nmb > 1 else {}
+        hoisted = {id(e) for split in splits.values() for e in split.adds}
+        stage_ops = {where: [e for e in ops if id(e) not in hoisted] for where, ops in stage_ops.items()}
         for rv, ov in zip(rj.outvars, region.outvars, strict=True):
             if compat.is_dropvar(ov):
                 continue
             where = made_in.get(rv, last_fwd) if _is_var(rv) else last_fwd
+            if ov in splits:  # each part summed where it is made, added once per step
+                for part, acc in splits[ov].parts:
+                    acc_specs.setdefault(made_in[part], []).append((part, acc))
+                producer_stage[ov] = where[0]
+                continue
             acc_specs.setdefault(where, []).append((rv, ov))
             producer_stage[ov] = where[0]
             if _is_var(rv) and rv in rmap and _is_var(rmap[rv]):
@@ -230,6 +244,10 @@ def build_program(
         for ov, st in producer_stage.items()
         if region_at is not None and ov in set(eqns[region_at].outvars)
     }
+    for ov, split in splits.items():  # after the parts' means, on the stage of the last addition
+        st = producer_stage[ov]
+        lv = max(int(made_in[part][0] != st) for part, _ in split.parts)
+        made_by[ov] = (lv, st)
     level: dict[int, int] = {}
     for i in once:
         lv = 0
@@ -257,6 +275,8 @@ def build_program(
             start, finish = region_outputs.accumulator_ends(ov, nmb, joined.get(ov))
             pre_groups.setdefault((0, where[0]), []).extend(start)
             post_groups.setdefault((0, where[0]), []).extend(finish)
+    for ov, split in splits.items():
+        post_groups.setdefault(made_by[ov], []).extend(split.combine())
     for i in once:
         groups = pre_groups if region_at is None or i < region_at else post_groups
         groups.setdefault((level[i], stage_of[i]), []).append(outer_op(i, None))

@@ -79,12 +79,14 @@ def stage_memory(
     second by the schedule's in-flight count.
     """
     params = float(profile.param_bytes[start:stop].sum())
-    state = params * (2.0 + profile.state_per_param) / tp
+    borrowed = float(profile.borrowed_bytes[start, stop - 1])
+    # A parameter an earlier stage owns: a copy and the running sum of this stage's gradient part.
+    state = (params * (2.0 + profile.state_per_param) + 2 * borrowed) / tp
     largest = max(
         float(profile.backward_peak_bytes[start:stop].max(initial=0.0)) * batch_scale / dp,
         float(profile.backward_peak_replicated_bytes[start:stop].max(initial=0.0)) * batch_scale,
     )
-    transient = params / tp + largest
+    transient = (params + borrowed) / tp + largest
     inputs = num_microbatches * float(profile.batch_bytes[start:stop].sum()) * batch_scale / dp
     stash = (
         (
@@ -128,11 +130,12 @@ def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
     nmb = plan.num_microbatches
     fixed, per_flight = stage_memory(profile, start, stop, dp=dp, tp=tp, num_microbatches=nmb)
     params = float(profile.param_bytes[start:stop].sum())
+    borrowed = float(profile.borrowed_bytes[start, stop - 1])
     inputs = (
-        params * (1.0 + profile.state_per_param) / tp
+        (params * (1.0 + profile.state_per_param) + borrowed) / tp
         + nmb * float(profile.batch_bytes[start:stop].sum()) / dp
     )
-    sums = params / tp if nmb > 1 else 0.0  # one microbatch's gradients are the sums
+    sums = (params + borrowed) / tp if nmb > 1 else 0.0  # one microbatch's gradients are the sums
     return PeakParts(
         inputs=inputs,
         stashes=in_flight(plan, stage) * per_flight,
@@ -197,7 +200,7 @@ def stage_costs(
     # Weight-sized traffic is the same for any microbatch and on every data-parallel device.
     fixed_traffic = ranges(weight_sized)
     traffic = ranges((traffic - weight_sized) * batch_scale)
-    params = ranges(profile.param_bytes)
+    params = ranges(profile.param_bytes) + profile.borrowed_bytes  # the gradients each range sums
     acts = ranges(profile.boundary_bytes * batch_scale)
     out_bytes = np.broadcast_to(profile.boundary_bytes[None, :] * batch_scale, (n_layers, n_layers))
     valid = np.triu(np.ones((n_layers, n_layers), dtype=bool))

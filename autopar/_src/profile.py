@@ -10,6 +10,7 @@ come with each byte of parameters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -60,10 +61,29 @@ class LayerProfile:
     trace at twice the rows (:func:`fixed_traffic`); it is moved again for every microbatch
     and by every data-parallel device. Empty: all traffic grows with the microbatch."""
 
+    shared_params: tuple[tuple[float, tuple[int, ...]], ...] = ()
+    """Parameters the forwards of several layers read (a tied weight): their bytes and those
+    layers, in order. :attr:`param_bytes` counts each on the first."""
+
     @property
     def num_layers(self) -> int:
         """Number of layers."""
         return len(self.forward_flops)
+
+    @functools.cached_property
+    def borrowed_bytes(self) -> np.ndarray:
+        """``[i, j]``: bytes of the parameters that layers i..j read and an earlier layer reads
+        first. A stage holding those layers keeps a copy of each and the running sum of its part
+        of the gradient (:func:`autopar._src.region_outputs.split_sums`)."""
+        n = self.num_layers
+        first, last = np.arange(n)[:, None], np.arange(n)[None, :]
+        out = np.zeros((n, n))
+        for size, readers in self.shared_params:
+            reads = np.zeros((n, n), dtype=bool)
+            for r in readers[1:]:
+                reads |= (first <= r) & (r <= last)
+            out += size * (reads & (readers[0] < first))
+        return out
 
 
 def layer_profile(
@@ -87,6 +107,7 @@ def layer_profile(
     made: dict[Any, int] = {}
     stash_vars: dict[tuple[Any, int], int] = {}
     first_reader: dict[Any, int] = {}
+    readers: dict[Any, set[int]] = {}
     diff = set(rj.invars[len(rj.invars) - info.num_grads :])
     flops_by_dtype: dict[str, float] = {}
     rows = step.arg_vars[batch_leaf_ids[0]].aval.shape[0] if batch_leaf_ids else 0
@@ -126,6 +147,7 @@ def layer_profile(
                 continue
             if a in diff and pass_ == "F":
                 first_reader.setdefault(a, layer)
+                readers.setdefault(a, set()).add(layer)
             # A backward reads what its own forward made, and activations received
             # from earlier layers (e.g. a stage's input, kept for the weight gradient):
             # both stay alive on the reading layer's stage until its backward.
@@ -159,6 +181,11 @@ def layer_profile(
         forward_flops=fwd,
         backward_flops=bwd,
         param_bytes=params,
+        shared_params=tuple(
+            (float(cost.aval_bytes(v.aval)), tuple(sorted(layers_)))
+            for v, layers_ in readers.items()
+            if len(layers_) > 1
+        ),
         stash_bytes=stash,
         stash_replicated_bytes=stash_rep,
         boundary_bytes=boundary,

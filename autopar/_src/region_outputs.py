@@ -11,6 +11,7 @@ Accumulator keys are ``(var, ("acc", j))``: the running sum (or kept value) afte
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -108,6 +109,79 @@ def accumulate(val: Any, ov: Any, j: int, nmb: int, per_example: bool = False) -
     if not batch_scaling.is_float(ov) or per_example:
         return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, ("acc", j)),))
     return Op(kind="acc", mode="add", ins=((ov, ("acc", j - 1)), val), outs=((ov, ("acc", j)),))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSum:
+    """A float region output that adds values made in different tasks (a tied weight's
+    gradient, used in two stages). Since the sum is linear, each part gets a running sum of its
+    own over the microbatches, in the task that makes it, and the additions run once per step:
+    no part crosses stages each microbatch, and each is a gradient the driver may defer."""
+
+    output: Any
+    """The region output (an outer variable)."""
+    parts: tuple[tuple[Any, Any], ...]
+    """``(value, accumulator)``: each added value (of the region's jaxpr) and the fresh
+    variable that names its running sum and mean."""
+    adds: tuple[Any, ...]
+    """The additions, operands first; the last makes the output's value."""
+
+    def combine(self) -> list[Op]:
+        """The once-per-step ops that add the parts' means into the output."""
+        acc = dict(self.parts)
+
+        def key(a: Any) -> Any:
+            return (acc.get(a, a), None)
+
+        return [
+            Op(
+                kind="eqn",
+                eqn=e,
+                ins=tuple(key(a) for a in e.invars),
+                outs=((self.output if e is self.adds[-1] else e.outvars[0], None),),
+            )
+            for e in self.adds
+        ]
+
+
+_ADDS = ("add_any", "add")
+
+
+def split_sums(
+    region_jaxpr: Any, outputs: Sequence[tuple[Any, Any]], made_in: Mapping[Any, Any]
+) -> dict[Any, SplitSum]:
+    """The :class:`SplitSum` of every float output in ``outputs`` (``(value, region output)``
+    pairs) whose value is a tree of additions, each read only by the next, over values made in
+    more than one task (``made_in``: a value's ``(stage, pass)``), by output."""
+    producer = {v: e for e in region_jaxpr.eqns for v in e.outvars}
+    reads = Counter(a for e in region_jaxpr.eqns for a in e.invars if not compat.is_literal(a))
+    reads.update(a for a in region_jaxpr.outvars if not compat.is_literal(a))
+    found = {}
+    for rv, ov in outputs:
+        if compat.is_literal(rv) or not batch_scaling.is_float(rv):
+            continue
+        adds: list[Any] = []
+        values: list[Any] = []
+
+        def expand(v: Any) -> None:
+            e = producer.get(v)
+            if (
+                e is not None
+                and e.primitive.name in _ADDS
+                and reads[v] == 1
+                and not any(compat.is_literal(a) for a in e.invars)
+            ):
+                for a in e.invars:
+                    expand(a)
+                adds.append(e)
+            elif v not in values:
+                values.append(v)
+
+        expand(rv)
+        if adds and all(v in made_in for v in values) and len({made_in[v] for v in values}) > 1:
+            parts = tuple((v, compat.Var(v.aval)) for v in values)
+            found[ov] = SplitSum(output=ov, parts=parts, adds=tuple(adds))
+    return found
 
 
 def require_combinable(
