@@ -131,10 +131,9 @@ def planned_peak(profile: LayerProfile, plan: Plan, stage: int) -> PeakParts:
     fixed, per_flight = stage_memory(profile, start, stop, dp=dp, tp=tp, num_microbatches=nmb)
     params = float(profile.param_bytes[start:stop].sum())
     borrowed = float(profile.borrowed_bytes[start, stop - 1])
-    inputs = (
-        (params * (1.0 + profile.state_per_param) + borrowed) / tp
-        + nmb * float(profile.batch_bytes[start:stop].sum()) / dp
-    )
+    inputs = (params * (1.0 + profile.state_per_param) + borrowed) / tp + nmb * float(
+        profile.batch_bytes[start:stop].sum()
+    ) / dp
     sums = (params + borrowed) / tp if nmb > 1 else 0.0  # one microbatch's gradients are the sums
     return PeakParts(
         inputs=inputs,

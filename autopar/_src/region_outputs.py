@@ -156,32 +156,41 @@ def split_sums(
     producer = {v: e for e in region_jaxpr.eqns for v in e.outvars}
     reads = Counter(a for e in region_jaxpr.eqns for a in e.invars if not compat.is_literal(a))
     reads.update(a for a in region_jaxpr.outvars if not compat.is_literal(a))
-    found = {}
+    found: dict[Any, SplitSum] = {}
     for rv, ov in outputs:
         if compat.is_literal(rv) or not batch_scaling.is_float(rv):
             continue
-        adds: list[Any] = []
-        values: list[Any] = []
-
-        def expand(v: Any) -> None:
-            e = producer.get(v)
-            if (
-                e is not None
-                and e.primitive.name in _ADDS
-                and reads[v] == 1
-                and not any(compat.is_literal(a) for a in e.invars)
-            ):
-                for a in e.invars:
-                    expand(a)
-                adds.append(e)
-            elif v not in values:
-                values.append(v)
-
-        expand(rv)
+        adds, values = _addition_tree(rv, producer, reads)
         if adds and all(v in made_in for v in values) and len({made_in[v] for v in values}) > 1:
             parts = tuple((v, compat.Var(v.aval)) for v in values)
             found[ov] = SplitSum(output=ov, parts=parts, adds=tuple(adds))
     return found
+
+
+def _addition_tree(
+    value: Any, producer: Mapping[Any, Any], reads: Counter[Any]
+) -> tuple[list[Any], list[Any]]:
+    """The additions that make ``value``, each read only by the next (operands first), and the
+    values they add."""
+    adds: list[Any] = []
+    values: list[Any] = []
+
+    def expand(v: Any) -> None:
+        e = producer.get(v)
+        if (
+            e is not None
+            and e.primitive.name in _ADDS
+            and reads[v] == 1
+            and not any(compat.is_literal(a) for a in e.invars)
+        ):
+            for a in e.invars:
+                expand(a)
+            adds.append(e)
+        elif v not in values:
+            values.append(v)
+
+    expand(value)
+    return adds, values
 
 
 def require_combinable(
