@@ -442,3 +442,46 @@ def test_a_weight_tied_across_stages_is_summed_per_stage_and_added_once_per_step
     ]
     assert not _weight_shaped(found[0], (shape,)), found[0]
     assert _weight_shaped(found[1], (shape,)), found[1]
+
+
+class _SharedBlock(nn.Module):
+    """One dense layer applied four times (ALBERT-style sharing), then a head."""
+
+    @nn.compact
+    def __call__(self, x):
+        shared = nn.Dense(64, name="shared")
+        for _ in range(4):
+            x = jnp.tanh(shared(x))
+        return nn.Dense(16, name="head")(x)
+
+
+def test_a_weight_shared_by_several_layers_of_each_stage_keeps_one_running_sum_per_stage():
+    """Two applications of a shared layer in each of two data-parallel stages (ALBERT-style
+    sharing): each stage adds its applications' gradients into one running sum of its own, kept
+    as partial sums, and the two are added once per step. Equal to jax.jit."""
+    state, batches = _classifier(_SharedBlock(), "adamw", (256, 64), 16, 3)
+    par = assert_same_as_jit(
+        _classifier_step,
+        state,
+        batches,
+        TOLERANCES["adamw"],
+        num_stages=2,
+        num_microbatches=4,
+        sharding="data",
+    )
+    exe = par.executable(state, batches[0])
+    kernel = (64, 64)
+    sums = [
+        (t.stage, op)
+        for t in exe.program.tasks
+        if t.repeated
+        for op in t.ops
+        if op.kind == "acc" and op.mode == "add" and op.out[0].aval.shape == kernel
+    ]
+    # One op per stage and microbatch: the running sum plus the stage's two applications.
+    assert sorted(s for s, _ in sums) == [0] * 4 + [1] * 4 and {len(op.ins) for _, op in sums} == {3}
+    assert len({op.out[0] for _, op in sums}) == 2
+    for stage in (0, 1):
+        assert kernel in {v.aval.shape for v in exe.deferred[stage].accumulators}, stage
+    per_microbatch = [c for repeated, cs in _task_collectives(exe) if repeated for c in cs]
+    assert not _weight_shaped(per_microbatch, ("[64,64]",)), per_microbatch

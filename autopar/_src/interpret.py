@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,8 @@ from autopar._src.strategy_graph import Inner
 def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh | None) -> Any:
     if op.mode == "zeros":
         return deferred.zeros(op.aval, stacked, mesh)
-    if op.mode == "add":
-        return vals[0] + vals[1]
+    if op.mode in ("add", "sum"):
+        return functools.reduce(operator.add, vals)
     if op.mode == "mean":
         return deferred.finish(vals[0], stacked) / op.divisor
     if op.mode == "concat":

@@ -88,11 +88,12 @@ def gradient_chains(
         }
         reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
         reads.update(task.out_keys)
-        for op in adds:
-            paths = _partial_chain(
-                op.ins[1], made, reads, 0, is_partial, descend, lambda k: k[0], through_scatters
-            )
-            chains.extend(_chain(path, op.out[0]) for path in paths or ())
+        for op in adds:  # the running sum, then the values it adds
+            for value in op.ins[1:]:
+                paths = _partial_chain(
+                    value, made, reads, 0, is_partial, descend, lambda k: k[0], through_scatters
+                )
+                chains.extend(_chain(path, op.out[0]) for path in paths or ())
     return chains
 
 

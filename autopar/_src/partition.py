@@ -151,7 +151,8 @@ def build_program(
         return (a, None)
 
     stage_ops: dict[tuple[int, str], list[Any]] = {}  # (stage, pass) -> the region's equations
-    acc_specs: dict[tuple[int, str], list[tuple[Any, Any]]] = {}
+    # (stage, pass) -> (the region values it adds up, region output or part) to accumulate
+    acc_specs: dict[tuple[int, str], list[tuple[tuple[Any, ...], Any]]] = {}
     joined: dict[Any, region_outputs.Joined] = {}  # per-example region outputs: their whole-batch value
     splits: dict[Any, region_outputs.SplitSum] = {}  # region outputs added up once per step
     made_in: dict[Any, tuple[int, str]] = {}  # region values: the (stage, pass) that makes them
@@ -199,11 +200,11 @@ def build_program(
                 continue
             where = made_in.get(rv, last_fwd) if _is_var(rv) else last_fwd
             if ov in splits:  # each part summed where it is made, added once per step
-                for part, acc in splits[ov].parts:
-                    acc_specs.setdefault(made_in[part], []).append((part, acc))
+                for values, acc in splits[ov].parts:
+                    acc_specs.setdefault(made_in[values[0]], []).append((values, acc))
                 producer_stage[ov] = where[0]
                 continue
-            acc_specs.setdefault(where, []).append((rv, ov))
+            acc_specs.setdefault(where, []).append(((rv,), ov))
             producer_stage[ov] = where[0]
             if _is_var(rv) and rv in rmap and _is_var(rmap[rv]):
                 consumer_stages.setdefault(rmap[rv], set()).add(where[0])
@@ -246,7 +247,7 @@ def build_program(
     }
     for ov, split in splits.items():  # after the parts' means, on the stage of the last addition
         st = producer_stage[ov]
-        lv = max(int(made_in[part][0] != st) for part, _ in split.parts)
+        lv = max(int(made_in[values[0]][0] != st) for values, _ in split.parts)
         made_by[ov] = (lv, st)
     level: dict[int, int] = {}
     for i in once:
@@ -276,7 +277,7 @@ def build_program(
             pre_groups.setdefault((0, where[0]), []).extend(start)
             post_groups.setdefault((0, where[0]), []).extend(finish)
     for ov, split in splits.items():
-        post_groups.setdefault(made_by[ov], []).extend(split.combine())
+        post_groups.setdefault(made_by[ov], []).append(split.combine())
     for i in once:
         groups = pre_groups if region_at is None or i < region_at else post_groups
         groups.setdefault((level[i], stage_of[i]), []).append(outer_op(i, None))
@@ -309,8 +310,9 @@ def build_program(
                         outs=tuple(None if compat.is_dropvar(v) else (v, j) for v in e.outvars),
                     )
                 )
-            for rv, ov in acc_specs.get(where, []):
-                ops.append(region_outputs.accumulate(rkey(rv, j), ov, j, nmb, ov in joined))
+            for (rv, *more), ov in acc_specs.get(where, []):
+                keys = [rkey(v, j) for v in more]
+                ops.append(region_outputs.accumulate(rkey(rv, j), ov, j, nmb, ov in joined, keys))
             if ops:
                 tasks.append(Task(stage=t.stage, label=str(t), ops=ops, repeated=nmb > 1))
         tasks += once_tasks("post", post_groups)

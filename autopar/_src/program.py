@@ -28,9 +28,10 @@ class Op:
     outs: tuple[Key | None, ...]
     """Output keys (None for a dropped output)."""
     eqn: Any = None
-    mode: Literal["", "zeros", "add", "copy", "mean", "concat", "fold"] = ""
-    """For ``acc``: make a zero sum, add to it, pass a value on, divide the sum, join the
-    microbatches' values of a per-example output, or make each microbatch's PRNG key."""
+    mode: Literal["", "zeros", "add", "sum", "copy", "mean", "concat", "fold"] = ""
+    """For ``acc``: make a zero sum, add to it (one or more values), add up once-per-step
+    values, pass a value on, divide the sum, join the microbatches' values of a per-example
+    output, or make each microbatch's PRNG key."""
     divisor: int = 1
     """For ``acc`` in mode ``mean`` (or ``concat``): the number of microbatches to average over."""
     axis: int = 0

@@ -97,8 +97,11 @@ def accumulator_ends(ov: Any, nmb: int, joined: Joined | None = None) -> tuple[l
     return [start], [Op(kind="acc", mode="mean", ins=(last,), outs=((ov, None),), divisor=nmb)]
 
 
-def accumulate(val: Any, ov: Any, j: int, nmb: int, per_example: bool = False) -> Op:
-    """The op that folds microbatch ``j``'s value of a region output into its sum.
+def accumulate(
+    val: Any, ov: Any, j: int, nmb: int, per_example: bool = False, more: Sequence[Any] = ()
+) -> Op:
+    """The op that folds microbatch ``j``'s value of a region output (plus ``more`` values, of a
+    :class:`SplitSum`'s part) into its sum.
 
     The same op for every microbatch, so all microbatches share one executable.
     Integers, booleans and keys cannot be averaged: the first microbatch's value is
@@ -108,40 +111,32 @@ def accumulate(val: Any, ov: Any, j: int, nmb: int, per_example: bool = False) -
         return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, None),))
     if not batch_scaling.is_float(ov) or per_example:
         return Op(kind="acc", mode="copy", ins=(val,), outs=((ov, ("acc", j)),))
-    return Op(kind="acc", mode="add", ins=((ov, ("acc", j - 1)), val), outs=((ov, ("acc", j)),))
+    return Op(kind="acc", mode="add", ins=((ov, ("acc", j - 1)), val, *more), outs=((ov, ("acc", j)),))
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitSum:
-    """A float region output that adds values made in different tasks (a tied weight's
-    gradient, used in two stages). Since the sum is linear, each part gets a running sum of its
-    own over the microbatches, in the task that makes it, and the additions run once per step:
-    no part crosses stages each microbatch, and each is a gradient the driver may defer."""
+    """A float region output that adds up values made in different tasks (the gradient of a
+    weight tied across stages). The sum is linear, so each task keeps a running sum of its own
+    values over the microbatches and the tasks' means are added once per step: nothing crosses
+    stages per microbatch, and each running sum is a gradient the driver may defer."""
 
     output: Any
     """The region output (an outer variable)."""
-    parts: tuple[tuple[Any, Any], ...]
-    """``(value, accumulator)``: each added value (of the region's jaxpr) and the fresh
-    variable that names its running sum and mean."""
+    parts: tuple[tuple[tuple[Any, ...], Any], ...]
+    """Per task: the values it adds (of the region's jaxpr) and the fresh variable that names
+    their running sum and its mean."""
     adds: tuple[Any, ...]
-    """The additions, operands first; the last makes the output's value."""
+    """The additions of the values, which no microbatch runs."""
 
-    def combine(self) -> list[Op]:
-        """The once-per-step ops that add the parts' means into the output."""
-        acc = dict(self.parts)
-
-        def key(a: Any) -> Any:
-            return (acc.get(a, a), None)
-
-        return [
-            Op(
-                kind="eqn",
-                eqn=e,
-                ins=tuple(key(a) for a in e.invars),
-                outs=((self.output if e is self.adds[-1] else e.outvars[0], None),),
-            )
-            for e in self.adds
-        ]
+    def combine(self) -> Op:
+        """The once-per-step op that adds the parts' means into the output."""
+        return Op(
+            kind="acc",
+            mode="sum",
+            ins=tuple((acc, None) for _, acc in self.parts),
+            outs=((self.output, None),),
+        )
 
 
 _ADDS = ("add_any", "add")
@@ -161,8 +156,13 @@ def split_sums(
         if compat.is_literal(rv) or not batch_scaling.is_float(rv):
             continue
         adds, values = _addition_tree(rv, producer, reads)
-        if adds and all(v in made_in for v in values) and len({made_in[v] for v in values}) > 1:
-            parts = tuple((v, compat.Var(v.aval)) for v in values)
+        if not adds or not all(v in made_in for v in values):
+            continue
+        by_task: dict[Any, list[Any]] = {}
+        for v in values:
+            by_task.setdefault(made_in[v], []).append(v)
+        if len(by_task) > 1:
+            parts = tuple((tuple(vs), compat.Var(vs[0].aval)) for vs in by_task.values())
             found[ov] = SplitSum(output=ov, parts=parts, adds=tuple(adds))
     return found
 
