@@ -11,6 +11,7 @@ from equality import TOLERANCES, as_numpy, assert_same_as_jit
 from flax import nnx
 
 import autopar
+from autopar._src import region_outputs
 from models import train
 
 BATCH = 16
@@ -442,3 +443,28 @@ def test_aux_outputs_neither_reduced_nor_per_example_are_an_error():
     after_gradient = r"Aux output 0 .*reads it after the gradient \(at .*test_region_outputs"
     with pytest.raises(ValueError, match=after_gradient):
         autopar.autoparallel(read_after, num_stages=2, num_microbatches=2)(state, batch)
+
+
+def test_a_sum_of_values_made_in_several_tasks_is_split_per_task():
+    """``(a + a) + b + c`` with ``a`` and ``c`` made in one task and ``b`` in another: one running
+    sum per task, adding each value as often as the sum does; the additions run once per step.
+    A sum made in one task, or of an integer, is not split."""
+
+    def f(x, y):
+        a = jnp.sin(x)
+        return ((a + a) + jnp.cos(y)) + jnp.tanh(x)
+
+    jaxpr = jax.make_jaxpr(f)(1.0, 2.0).jaxpr
+    made = {e.primitive.name: e.outvars[0] for e in jaxpr.eqns}
+    sin, cos, tanh = made["sin"], made["cos"], made["tanh"]
+    made_in = {sin: (0, "B"), tanh: (0, "B"), cos: (1, "B")}
+    (split,) = region_outputs.split_sums(jaxpr, [(jaxpr.outvars[0], "grad")], made_in).values()
+    assert split.output == "grad"
+    assert [values for values, _ in split.parts] == [(sin, sin, tanh), (cos,)]
+    assert [e.primitive.name for e in split.adds] == ["add"] * 3
+    assert split.combine().ins == tuple((acc, None) for _, acc in split.parts)
+    one_task = {v: (0, "B") for v in made_in}
+    assert region_outputs.split_sums(jaxpr, [(jaxpr.outvars[0], "grad")], one_task) == {}
+    ints = jax.make_jaxpr(lambda i, j: (i * 2) + (j * 3))(1, 2).jaxpr
+    apart = {e.outvars[0]: (k, "B") for k, e in enumerate(ints.eqns[:2])}
+    assert region_outputs.split_sums(ints, [(ints.outvars[0], "n")], apart) == {}

@@ -171,7 +171,7 @@ def _addition_tree(
     value: Any, producer: Mapping[Any, Any], reads: Counter[Any]
 ) -> tuple[list[Any], list[Any]]:
     """The additions that make ``value``, each read only by the next (operands first), and the
-    values they add."""
+    values they add (a value added twice, twice)."""
     adds: list[Any] = []
     values: list[Any] = []
 
@@ -186,7 +186,7 @@ def _addition_tree(
             for a in e.invars:
                 expand(a)
             adds.append(e)
-        elif v not in values:
+        else:  # as often as it is added
             values.append(v)
 
     expand(value)
