@@ -2,7 +2,9 @@
 step from the microbatches' values: a running sum divided once per step, the first microbatch's
 value for what cannot be averaged, or, for an output with a value per example (an aux output,
 or the gradient of a batch input), the
-microbatches' values concatenated.
+microbatches' values concatenated. A sum of values made in several tasks (the gradient of a
+weight tied across stages) has a running sum per task, added up once per step
+(:class:`SplitSum`).
 
 Accumulator keys are ``(var, ("acc", j))``: the running sum (or kept value) after microbatch
 ``j`` (:mod:`autopar._src.program`).
