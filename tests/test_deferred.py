@@ -442,6 +442,10 @@ def test_a_weight_tied_across_stages_is_summed_per_stage_and_added_once_per_step
     ]
     assert not _weight_shaped(found[0], (shape,)), found[0]
     assert _weight_shaped(found[1], (shape,)), found[1]
+    # The stage DP's costs price the logits' part as a gradient too, reduced once per step.
+    problems = layer_sharding.LayerProblems(exe.step)
+    last = partial_chains.graph_chains(problems.ops[-1], problems.carried, problems.loops)
+    assert vocab in {c.total.aval.shape for c in last}
 
 
 class _SharedBlock(nn.Module):

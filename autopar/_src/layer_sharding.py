@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, deferred, partial_chains, partition
+from autopar._src import compat, deferred, partial_chains, partition, region_outputs
 from autopar._src.collectives import Spec
 from autopar._src.expansion import region_ops
 from autopar._src.ilp_merge import solve_merged
@@ -68,7 +68,14 @@ class LayerProblems:
         diff = region_inputs[len(region_inputs) - info.num_grads :]
         grads = [name(v) for v in rj.outvars[len(rj.outvars) - info.num_grads :]]
         self.carried = {g: p for g, p in zip(grads, diff, strict=True) if g is not None and g != p}
-        """Each gradient -> the parameter it updates."""
+        """Each gradient (or value of a gradient summed across layers) -> the parameter it updates."""
+        # The values of a gradient that several layers add up (a tied weight's) are summed apart
+        # over the microbatches at run time (region_outputs.split_sums): each is a gradient here.
+        made_in = {v: w for e, w in zip(rj.eqns, where, strict=True) for v in e.outvars}
+        outs = list(zip(rj.outvars[len(rj.outvars) - info.num_grads :], diff, strict=True))
+        for split in region_outputs.split_sums(rj, outs, made_in).values():
+            for values, _ in split.parts:
+                self.carried.update((name(v), split.output) for v in values if name(v) is not None)
         self.loops = partial_chains.loop_ids(rj)
         """The ids of the loops and branches in the grad region (see
         :func:`~autopar._src.partial_chains.graph_chains`)."""
