@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import batch_scaling, compat, dependence, layers
+from autopar._src import batch_scaling, compat, dependence, layers, partial_chains
 from autopar._src.program import Op
 from autopar._src.trace import TracedStep
 
@@ -141,9 +141,6 @@ class SplitSum:
         )
 
 
-_ADDS = ("add_any", "add")
-
-
 def split_sums(
     region_jaxpr: Any, outputs: Sequence[tuple[Any, Any]], made_in: Mapping[Any, Any]
 ) -> dict[Any, SplitSum]:
@@ -179,12 +176,7 @@ def _addition_tree(
 
     def expand(v: Any) -> None:
         e = producer.get(v)
-        if (
-            e is not None
-            and e.primitive.name in _ADDS
-            and reads[v] == 1
-            and not any(compat.is_literal(a) for a in e.invars)
-        ):
+        if e is not None and reads[v] == 1 and partial_chains.joins(e, e.invars):
             for a in e.invars:
                 expand(a)
             adds.append(e)
