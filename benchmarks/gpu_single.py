@@ -105,11 +105,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per plan (after 2 warm-ups)")
     parser.add_argument("--matmul-size", type=int, default=None, help="peak matmul size (8192 GPU, 1024 CPU)")
     parser.add_argument("--tiny", action="store_true", help="gpt-tiny with a small batch, for any machine")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="autopar's microbatch counts, one plan each (one stage on the one device; default 1)",
+    )
     parser.add_argument("--out-dir", default=_common.RESULTS, help="directory of the results file")
     args = parser.parse_args(argv)
     args.model = args.model or ("gpt-tiny" if args.tiny else "gpt-350m")
     args.batch_size = args.batch_size or (4 if args.tiny else 8)
+    for m in args.microbatches:
+        if m < 1 or args.batch_size % m:
+            raise ValueError(
+                f"--microbatches {m}: must be positive and divide --batch-size {args.batch_size}"
+            )
     return args
+
+
+def autopar_label(microbatches: int) -> str:
+    return AUTOPAR if microbatches == 1 else f"autopar (1 stage, {microbatches} microbatches)"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,12 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     batch = jax.device_put(train.make_batch("gpt", config, args.batch_size), device)
     flops_6n, flops_attn, num_params = model_flops(state.params, config, tokens)
 
-    fns = {
-        AUTOPAR: autopar.autoparallel(
-            step, devices=[device], num_stages=1, num_microbatches=1, donate_argnums=(0,)
-        ),
-        JIT: jax.jit(step, donate_argnums=(0,)),
+    fns: dict[str, Any] = {
+        autopar_label(m): autopar.autoparallel(
+            step, devices=[device], num_stages=1, num_microbatches=m, donate_argnums=(0,)
+        )
+        for m in args.microbatches
     }
+    fns[JIT] = jax.jit(step, donate_argnums=(0,))
     # Each plan gets its own copy of the state (donated step after step).
     states = {name: jax.device_put(jax.tree.map(jnp.copy, state), device) for name in fns}
     del state
@@ -161,7 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     compile_seconds = time.perf_counter() - t0
     times = _common.interleaved_medians(runners, args.steps)
     dispatch = {name: host_and_pipelined(run, args.steps) for name, run in runners.items()}
-    loss_diff = float(np.abs(np.float64(losses[AUTOPAR]) - np.float64(losses[JIT])))
+    loss_diff = {
+        m: float(np.abs(np.float64(losses[autopar_label(m)]) - np.float64(losses[JIT])))
+        for m in args.microbatches
+    }
 
     size = args.matmul_size or (8192 if on_gpu else 1024)
     peak = measured_peak(device, size=size)
@@ -215,7 +235,9 @@ def main(argv: list[str] | None = None) -> None:
             "measured peak": f"{peak / 1e12:.4g} TFLOP/s: best of 5 timings of 10 chained "
             f"{size}x{size} bfloat16 matmuls",
             "compile + warm-up": f"{compile_seconds:.1f} s",
-            "last-step |loss difference|": f"{loss_diff:.2e}",
+            "last-step |loss difference| vs jax.jit": ", ".join(
+                f"{m} microbatch(es) {d:.2e}" for m, d in loss_diff.items()
+            ),
             "command": " ".join(
                 ["python benchmarks/gpu_single.py", *(sys.argv[1:] if argv is None else argv)]
             ),
@@ -223,12 +245,13 @@ def main(argv: list[str] | None = None) -> None:
         headers,
         rows,
         notes="MFU = model FLOP/s / measured matmul peak. `MFU (6N only)` leaves out the attention "
-        "FLOPs. Both plans run the identical step; the ratio is autopar's single-device overhead. "
+        "FLOPs. All plans run the same step; with one microbatch the ratio is autopar's single-device "
+        "overhead, with more it adds the smaller microbatches' work and the tasks' dispatch. "
         "`host ms per call`: how long a call takes to return (the device may still be working); "
         "`pipelined ms/step`: steps dispatched back to back, waited for once at the end.",
     )
     print(f"results: {path}")
-    print(f"mfu={mfu[AUTOPAR]:.4f}")
+    print(f"mfu={mfu[autopar_label(args.microbatches[0])]:.4f}")
 
 
 if __name__ == "__main__":

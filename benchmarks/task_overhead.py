@@ -7,7 +7,11 @@ device (``--devices``) with 1, 2, 4, ... microbatches of the same global batch, 
 while the number of tasks the driver runs (``Run`` instructions of the program) grows. The
 slope of a least-squares line through (tasks, median step time) is the cost of one more task;
 the intercept is what does not depend on them. For reference it also times the dispatch floor
-of JAX itself: a chain of calls of a jitted ``x + 1`` on a small array, per call.
+of JAX itself: a chain of calls of a jitted ``x + 1`` on a small array, per call; and what each
+argument or result buffer adds to a call: jitted functions of 1 to 1024 small arrays, each
+returned plus one, chained, and a line fitted over the buffers in and out. A task of a large
+model passes hundreds of buffers (its stage's weights, residuals and gradient sums), so that
+slope, not the fixed cost, sets its dispatch time.
 
 It uses ``jax.devices()``: with ``--platform default`` on a machine with a GPU it measures the
 GPU's driver cost (a device count above what is there is capped).
@@ -47,6 +51,33 @@ def dispatch_floor(device: Any, *, calls: int = 200, rounds: int = 7) -> float:
         jax.block_until_ready(y)
         per_call.append((time.perf_counter() - t0) / calls)
     return _common.summary(per_call)[0]
+
+
+def dispatch_per_buffer(
+    device: Any, *, widths: tuple[int, ...] = (1, 64, 256, 1024), calls: int = 30, rounds: int = 5
+) -> tuple[float, dict[int, float]]:
+    """``(seconds per buffer, {arrays: seconds per call})``: jitted functions of ``n`` small arrays
+    that return each plus one, ``calls`` chained per timing; the slope is fitted over the ``2 n``
+    buffers (in and out) of a call."""
+    import jax
+    import jax.numpy as jnp
+
+    per_call: dict[int, float] = {}
+    for n in widths:
+        fn = jax.jit(lambda *xs: tuple(x + 1 for x in xs))
+        xs = tuple(jax.device_put(jnp.zeros((16,), jnp.float32), device) for _ in range(n))
+        jax.block_until_ready(fn(*xs))
+        times = []
+        for _ in range(rounds):
+            ys = xs
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                ys = fn(*ys)
+            jax.block_until_ready(ys)
+            times.append((time.perf_counter() - t0) / calls)
+        per_call[n] = _common.summary(times)[0]
+    slope, _ = fit_line([2.0 * n for n in per_call], list(per_call.values()))
+    return slope, per_call
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -140,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             jax.block_until_ready(fn())
     times = bench.interleaved_times(timed, args.rounds)
     floor = dispatch_floor(devices[0])
+    per_buffer, by_width = dispatch_per_buffer(devices[0])
 
     medians = {m: _common.summary(times[labels[m]])[0] for m in args.microbatches}
     slope, intercept = fit_line([counts[m][0] for m in args.microbatches], list(medians.values()))
@@ -156,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         f"fitted cost per task: {slope * 1e6:.1f} us (intercept {intercept * 1e3:.3f} ms); "
         f"the planner's constant: {default_us:.1f} us",
         f"jax.jit dispatch floor (x + 1, chained): {floor * 1e6:.1f} us per call",
+        f"jax.jit per buffer in or out: {per_buffer * 1e6:.2f} us (calls of n arrays: "
+        + ", ".join(f"{n}: {t * 1e6:.0f} us" for n, t in by_width.items())
+        + ")",
     ]
     path = _common.write_markdown(
         "task_overhead",
@@ -179,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     for line in lines:
         print(line)
     print(f"wrote {path}")
+    print(f"dispatch_per_buffer_us={per_buffer * 1e6:.2f}")
     print(f"task_overhead_us={slope * 1e6:.1f}")
 
 

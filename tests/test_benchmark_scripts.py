@@ -155,12 +155,23 @@ def test_plan_quality_cell_takes_the_fastest_plans_over_its_clusterings():
 
 
 def test_gpu_single_tiny_ends_with_mfu(tmp_path):
-    lines = _run("gpu_single.py", "--tiny", "--steps", "3", "--out-dir", str(tmp_path))
+    lines = _run(
+        "gpu_single.py", "--tiny", "--steps", "3", "--microbatches", "1", "2", "--out-dir", str(tmp_path)
+    )
     match = re.fullmatch(r"mfu=(\S+)", lines[-1])
     assert match, lines[-1]
     assert 0 < float(match[1]) < float("inf")
     [md] = os.listdir(tmp_path)
-    assert md.startswith("gpu_single_") and "jax.jit" in (tmp_path / md).read_text()
+    text = (tmp_path / md).read_text()
+    assert md.startswith("gpu_single_") and "jax.jit" in text
+    # One row per microbatch count, and each one's loss against jax.jit's.
+    assert "| autopar (1 stage, 1 microbatch) |" in text and "| autopar (1 stage, 2 microbatches) |" in text
+    diffs = re.search(r"1 microbatch\(es\) (\S+), 2 microbatch\(es\) (\S+)", text)
+    assert diffs and all(float(d) < 1e-3 for d in diffs.groups()), diffs
+
+
+def test_gpu_single_rejects_a_microbatch_count_that_does_not_divide_the_batch():
+    assert "--microbatches 3" in _error("gpu_single.py", "--tiny", "--microbatches", "3")
 
 
 def test_cost_model_repredicts_recorded_measurements_without_measuring(tmp_path):
@@ -238,6 +249,11 @@ def test_task_overhead_counts_more_tasks_with_more_microbatches_and_fits_their_c
     tasks = [int(r[1]) for r in rows]
     assert len(tasks) == 2 and tasks[0] == 1 and tasks[1] > 8, rows
     assert "the planner's constant: 100.0 us" in text
+    # JAX's own cost per buffer passed: positive, and the calls of more arrays take longer.
+    per_buffer = re.fullmatch(r"dispatch_per_buffer_us=(\S+)", lines[-2])
+    assert per_buffer and float(per_buffer[1]) > 0, lines[-2]
+    widths = re.search(r"calls of n arrays: 1: (\d+) us, 64: \d+ us, 256: \d+ us, 1024: (\d+) us", text)
+    assert widths and int(widths[2]) > int(widths[1]), text
     # Through two points the fitted slope is the step time added per task of the table.
     ms = [float(r[3]) for r in rows]
     assert float(match[1]) == pytest.approx((ms[1] - ms[0]) / (tasks[1] - tasks[0]) * 1e3, abs=0.2)
