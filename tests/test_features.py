@@ -222,15 +222,17 @@ def test_data_parallel_stages_all_reduce_gradients_once_per_step():
     par(state, batch)
     all_reduces: dict[tuple[str, int], int] = {}
     for i, (task, fn) in enumerate(zip(exe.program.tasks, exe.fns, strict=True)):
-        kind = task.label[0] if task.repeated else "once"
+        kind = ("F+B" if "+B" in task.label else task.label[0]) if task.repeated else "once"
         n = fn.lower(*exe.abstract_inputs(i)).compile().as_text().count("all-reduce(")
         all_reduces[(kind, task.stage)] = all_reduces.get((kind, task.stage), 0) + n
-    # The first stage's forwards need no collective; the last stage's forwards all-reduce only
-    # the batch mean of the loss. The backwards keep their gradients' partial sums, and each
-    # stage's once-per-step tasks all-reduce them.
-    assert all_reduces[("F", 0)] == 0
-    assert all_reduces[("F", 1)] >= 1
-    assert all_reduces[("B", 0)] == 0 and all_reduces[("B", 1)] == 0
+    # The first stage's forwards need no collective, nor its backwards, which keep their
+    # gradients' partial sums. The last stage runs each microbatch's forward and backward as
+    # one task, which all-reduces only the batch mean of the loss: once per microbatch, as
+    # the loss's own gradient needs no collective. Each stage's once-per-step tasks
+    # all-reduce the sums.
+    assert set(all_reduces) == {("F", 0), ("B", 0), ("F+B", 1), ("once", 0), ("once", 1)}
+    assert all_reduces[("F", 0)] == 0 and all_reduces[("B", 0)] == 0
+    assert all_reduces[("F+B", 1)] == 2  # two microbatches, one loss mean each
     assert all_reduces[("once", 0)] >= 1 and all_reduces[("once", 1)] >= 1
 
 

@@ -172,3 +172,30 @@ def test_a_step_whose_program_changes_with_the_batch_size_has_no_fixed_traffic_r
     prof = _profile_at(step, params, 16)  # the second trace, at 32 rows, has one more equation
     assert prof.fixed_traffic.tolist() == [0.0]
     assert prof.forward_traffic.sum() > 0
+
+
+def _joined(read_e_by_a_matmul):
+    """A forward ``m = exp(x @ w) * 3`` and a backward that reads ``m`` through an add, and
+    ``e = exp(x @ w)`` by a matmul or not at all; the ops split where the backward starts."""
+
+    def fn(x, w):
+        h = x @ w
+        e = jnp.exp(h)
+        m = e * 3.0
+        r = (m + 1.0) @ w.T
+        return (r, x.T @ e) if read_e_by_a_matmul else r
+
+    ops = _ops(fn, F32, jax.ShapeDtypeStruct((32, 32), jnp.float32))
+    first = next(i for i, op in enumerate(ops) if op.eqn.primitive.name == "add")
+    return ops[:first], ops[first:]
+
+
+def test_a_residual_xla_can_recompute_where_the_backward_reads_it_is_not_stored():
+    forward, backward = _joined(read_e_by_a_matmul=False)
+    h, e, m = (op.outs[0] for op in forward)
+    # m fuses into the backward's add, and e into m: only the matmul's output h is stored.
+    assert fusion.stored_residuals(forward, backward) == (h,)
+    forward, backward = _joined(read_e_by_a_matmul=True)
+    h, e, m = (op.outs[0] for op in forward)
+    # A matmul reads e: e is stored, and m is recomputed from it.
+    assert fusion.stored_residuals(forward, backward) == (e,)

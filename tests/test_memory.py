@@ -26,8 +26,9 @@ def test_predicted_peak_is_within_15_percent_of_the_compiled_program(num_stages)
     for s in range(num_stages):
         actual = memory.compiled_peak(exe, s)
         predicted = memory.predicted_peak(exe, s, prof)
-        # The peak is during a backward, with the schedule's in-flight stashes alive.
-        assert actual.at_task.startswith("B") and actual.temporaries > 0
+        # The peak is during a backward (the last stage's joins its forward: "F1.j+B1.j"), with
+        # the schedule's in-flight stashes alive.
+        assert re.search(r"(^|\+)B\d", actual.at_task) and actual.temporaries > 0, actual
         assert memory.relative_error(predicted, actual.peak) <= 0.15, (s, predicted, actual)
 
 
@@ -165,7 +166,7 @@ def test_a_stage_whose_transients_fill_the_device_is_named_before_the_ilp(monkey
 
 
 def test_a_stage_with_no_layout_names_its_largest_parameters_and_values():
-    step, state, batch, spec = _tiny_gpt_on(1.2)
+    step, state, batch, spec = _tiny_gpt_on(1.0)
     par = autopar.autoparallel(step, cluster=spec, num_stages=1, mesh_shape=(1, 8), num_microbatches=4)
     with pytest.raises(autopar.NoLayoutFitsError, match=r"stage 0 \(layers .*\) has no layout") as raised:
         par.plan(state, batch)

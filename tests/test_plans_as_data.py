@@ -128,12 +128,17 @@ def test_timeline_with_measured_task_times(tmp_path):
     (new_state, loss), measured = par.timed(state, batch)
     _, ref_loss = jax.jit(step)(state, batch)
     np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-5, atol=1e-6)
-    assert set(measured) == {(0, "F"), (0, "B"), (1, "F"), (1, "B")}
+    # 1F1B's last stage runs each microbatch's forward and backward as one task.
+    assert set(measured) == {(0, "F"), (0, "B"), (1, "F+B")}
     assert all(t > 0 for t in measured.values())
     plan = par.plan(state, batch)
-    tasks = timeline.simulate(plan, task_seconds=measured)
-    forward = [t for t in tasks if t.stage == 1 and t.kind == "F"]
-    assert np.isclose(forward[0].end - forward[0].start, measured[(1, "F")])
+    tasks = timeline.simulate(plan, task_seconds=measured, forward_fraction=0.25)
+    forward = [t for t in tasks if t.stage == 0 and t.kind == "F"]
+    assert np.isclose(forward[0].end - forward[0].start, measured[(0, "F")])
+    last = [t for t in tasks if t.stage == 1 and t.microbatch == 0]
+    assert [t.kind for t in last] == ["F", "B"]
+    assert np.isclose(last[0].end - last[0].start, 0.25 * measured[(1, "F+B")])
+    assert np.isclose(sum(t.end - t.start for t in last), measured[(1, "F+B")])
     plan.timeline(str(tmp_path / "measured.png"), task_seconds=measured)
     assert (tmp_path / "measured.png").read_bytes()[:4] == b"\x89PNG"
 

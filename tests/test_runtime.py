@@ -59,3 +59,34 @@ def test_equals_jit(kind, api, num_stages, num_mb, sched, opt):
 @pytest.mark.parametrize("kind,api,num_stages,num_mb,sched,opt", [c for c in ALL if c not in DEFAULT])
 def test_equals_jit_full_matrix(kind, api, num_stages, num_mb, sched, opt):
     _case(kind, api, num_stages, num_mb, sched, opt)
+
+
+@pytest.mark.parametrize(
+    "num_stages,sched,joined_stages",
+    [(1, "1f1b", {0}), (2, "1f1b", {1}), (2, "gpipe", set())],
+)
+def test_a_stage_that_runs_a_microbatch_backward_right_after_its_forward_runs_them_as_one_task(
+    num_stages, sched, joined_stages
+):
+    config = train.tiny_config("gpt")
+    step, state = train.setup("gpt", "linen", config, OPTIMIZERS["sgd"]())
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["sgd"], num_stages=num_stages, num_microbatches=4, schedule=sched
+    )
+    tasks = par.executable(state, batches[0]).program.tasks
+    pipeline = [t for t in tasks if t.label[0] in "FB"]
+    for s in range(num_stages):
+        labels = [t.label for t in pipeline if t.stage == s]
+        if s in joined_stages:
+            assert labels == [f"F{s}.{j}+B{s}.{j}" for j in range(4)], labels
+        else:  # GPipe's last microbatch is the one it runs back to back
+            assert all("+" not in lab for lab in labels[:-1]), labels
+    for t in pipeline:
+        if "+" not in t.label:
+            continue
+        # What the forward keeps for the backward stays inside the task: it is neither
+        # returned nor read back.
+        made_in_forward = {k for op in t.ops for k in op.outs if k is not None}
+        kept = {k for k in made_in_forward if any(k in op.ins for op in t.ops)}
+        assert kept and not kept & set(t.out_keys), t.label

@@ -215,8 +215,10 @@ class AutoParallel:
         """Runs one step waiting for every task; returns the outputs and measured times.
 
         The times are the median seconds of each stage's forward and backward tasks,
-        keyed ``(stage, "F" | "B")``, ready for ``plan.timeline(path, task_seconds=...)``.
-        Waiting serialises the pipeline, so the step itself is slower than a normal call.
+        keyed ``(stage, "F" | "B")``, or ``(stage, "F+B")`` where a stage runs each
+        microbatch's forward and backward as one task (a one-stage plan, the last stage of
+        1F1B); ready for ``plan.timeline(path, task_seconds=...)``. Waiting serialises the
+        pipeline, so the step itself is slower than a normal call.
         """
         leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
         exe = self._lookup(leaves, in_tree)
@@ -224,9 +226,10 @@ class AutoParallel:
         out = jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves), task_times=times))
         per_task: dict[tuple[int, str], list[float]] = {}
         for task, seconds in zip(exe.program.tasks, times, strict=True):
-            match = re.fullmatch(r"([FB])\d+\.\d+", task.label)
+            match = re.fullmatch(r"([FB])\d+\.\d+(\+B\d+\.\d+)?", task.label)
             if match:
-                per_task.setdefault((task.stage, match.group(1)), []).append(seconds)
+                kind = "F+B" if match.group(2) else match.group(1)
+                per_task.setdefault((task.stage, kind), []).append(seconds)
         return out, {k: float(np.median(v)) for k, v in per_task.items()}
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from autopar._src import cost
+from autopar._src import compat, cost
 from autopar._src.strategies import ELEMENTWISE_PRIMITIVES, REDUCTION_PRIMITIVES, elementwise_call
 
 if TYPE_CHECKING:  # strategy_graph prices its nodes with this module
@@ -50,6 +50,47 @@ def regenerated(eqn: Any) -> bool:
     ``iota``, or a scalar broadcast to a shape (a mask's fill value, a zero gradient)."""
     name = eqn.primitive.name
     return name == "iota" or (name == "broadcast_in_dim" and not getattr(eqn.invars[0].aval, "shape", ()))
+
+
+def stored_residuals(forward: Sequence[Any], backward: Sequence[Any]) -> tuple[Any, ...]:
+    """The values ``forward``'s ops make and ``backward``'s read that stay in memory between
+    the two when both run in one program (a task that joins a microbatch's forward and
+    backward; :class:`~autopar._src.program.Op` or graph ops, anything with ``eqn``, ``ins``
+    and ``outs``).
+
+    A value XLA can recompute where it is read is not stored: a :func:`regenerated` one, or a
+    :func:`fusible` one whose readers in ``backward`` all fuse. The values it is recomputed
+    from are then needed in its place, and stored or recomputed by the same rule.
+    """
+    made = {k: op for op in forward for k in op.outs if k is not None}
+
+    def named(op: Any) -> list[Any]:
+        return [k for k in op.ins if k is not None and not compat.is_literal(k) and k in made]
+
+    readers: dict[Any, list[Any]] = {}
+    for op in backward:
+        for k in named(op):
+            readers.setdefault(k, []).append(op)
+
+    def fuses(op: Any) -> bool:
+        return op.eqn is not None and fusible(op.eqn)
+
+    stored: dict[Any, None] = {}
+    seen: set[Any] = set()
+    todo = list(readers)
+    while todo:
+        key = todo.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        op = made[key]
+        if op.eqn is not None and regenerated(op.eqn):
+            continue
+        if fuses(op) and all(fuses(r) for r in readers.get(key, ())):
+            todo.extend(named(op))
+        else:
+            stored[key] = None
+    return tuple(stored)
 
 
 def written_outputs(ops: Sequence[GraphOp]) -> list[tuple[bool, ...]]:

@@ -18,6 +18,7 @@ from typing import Any
 
 from autopar._src import cost
 from autopar._src.driver import Executable
+from autopar._src.plan import DATA_AXIS
 from autopar._src.program import Key, live_at_runs
 
 
@@ -81,12 +82,33 @@ def predicted_peak(exe: Executable, stage: int, profile: Any) -> float:
     from autopar._src import planner
 
     inputs, stashes, sums, rest = planner.planned_peak(profile, exe.plan, stage)
+    rest -= _reused_by_backward(exe, stage, profile)
     chosen = exe.shardings[stage] if exe.shardings else None
     if chosen is None:
         return inputs + stashes + sums + rest
     # A deferred gradient stays among the backward's transients: XLA makes a task's partial
     # sums before it adds them to their running sums, and holds most of them at once.
     return chosen.memory_bytes + rest
+
+
+def _reused_by_backward(exe: Executable, stage: int, profile: Any) -> float:
+    """Per-device bytes of the backward's largest value that need no memory of their own
+    where every backward of ``stage`` runs in the task of its forward: the value (the gradient
+    of the logits, say) is made from a residual (the logits) as that residual dies, and XLA
+    gives it the residual's buffer. Between two tasks the residual is an input of the
+    backward and lives to its end. 0 where some backward runs alone."""
+    tasks = [t for t in exe.program.tasks if t.stage == stage]
+    if not any(t.kept for t in tasks) or any(t.label.startswith("B") for t in tasks):
+        return 0.0
+    st = exe.plan.stages[stage]
+    start, stop = st.layers
+    dp = st.mesh_shape[st.axis_names.index(DATA_AXIS)]
+    largest = max(
+        float(profile.backward_peak_bytes[start:stop].max(initial=0.0)) / dp,
+        float(profile.backward_peak_replicated_bytes[start:stop].max(initial=0.0)),
+    )
+    kept = max(device_bytes(exe, k, stage) for t in tasks for k in t.kept)
+    return min(largest, kept)
 
 
 def relative_error(predicted: float, actual: float) -> float:

@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar._src import compat, cost, layers, microbatch_keys, region_outputs, schedule
+from autopar._src import compat, cost, fusion, layers, microbatch_keys, region_outputs, schedule
 from autopar._src.plan import Plan
 from autopar._src.program import Key, Location, Op, Program, Run, Task, Transfer
 from autopar._src.trace import TracedStep
@@ -296,6 +296,7 @@ def build_program(
     tasks: list[Task] = once_tasks("pre", pre_groups)
     if region_at is not None:
         per_stage = schedule.make(plan.schedule, plan.num_stages, nmb)
+        pipe: list[tuple[schedule.PipeTask, list[Op]]] = []
         for t in schedule.dispatch_order(per_stage):
             j, where = t.microbatch, (t.stage, t.pass_)
             ops = []
@@ -314,12 +315,46 @@ def build_program(
                 keys = [rkey(v, j) for v in more]
                 ops.append(region_outputs.accumulate(rkey(rv, j), ov, j, nmb, ov in joined, keys))
             if ops:
-                tasks.append(Task(stage=t.stage, label=str(t), ops=ops, repeated=nmb > 1))
+                pipe.append((t, ops))
+        for label, st, ops, kept in _forward_backward_pairs(pipe):
+            tasks.append(Task(stage=st, label=label, ops=ops, repeated=nmb > 1, kept=kept))
         tasks += once_tasks("post", post_groups)
 
     tasks = _fuse_adjacent(tasks)
     output_keys = tuple(okey(joined[a].var if _is_var(a) and a in joined else a, None) for a in jaxpr.outvars)
     return _wire(tasks, output_keys, per_mb, microbatch_size)
+
+
+def _forward_backward_pairs(
+    pipe: list[tuple[schedule.PipeTask, list[Op]]],
+) -> list[tuple[str, int, list[Op], tuple[Key, ...]]]:
+    """``(label, stage, ops, kept)`` of the pipeline's tasks in dispatch order, where a microbatch's
+    backward joins its forward when its stage runs nothing between the two and the backward
+    reads nothing made in between (every microbatch of a one-stage plan, the last stage of
+    1F1B).
+
+    The joined task sits at the forward's place. Its residuals (what the forward keeps for the
+    backward) stay inside one executable instead of being returned and passed back: for a
+    model of many parameters that halves the arrays the driver passes per microbatch.
+    ``kept``: those XLA stores (:func:`~autopar._src.fusion.stored_residuals`).
+    """
+    joined: list[tuple[str, int, list[Op], tuple[Key, ...]]] = []
+    taken: set[int] = set()
+    for a, (t, ops) in enumerate(pipe):
+        if a in taken:
+            continue
+        nxt = next((b for b in range(a + 1, len(pipe)) if pipe[b][0].stage == t.stage), None)
+        if t.pass_ == "F" and nxt is not None:
+            u, back = pipe[nxt]
+            between = {k for _, o in pipe[a + 1 : nxt] for op in o for k in op.outs}
+            if (u.pass_, u.microbatch) == ("B", t.microbatch) and not between.intersection(
+                k for op in back for k in op.ins if isinstance(k, tuple)
+            ):
+                taken.add(nxt)
+                joined.append((f"{t}+{u}", t.stage, ops + back, fusion.stored_residuals(ops, back)))
+                continue
+        joined.append((str(t), t.stage, ops, ()))
+    return joined
 
 
 def _fuse_adjacent(tasks: list[Task]) -> list[Task]:
@@ -333,7 +368,11 @@ def _fuse_adjacent(tasks: list[Task]) -> list[Task]:
         prev = fused[-1] if fused else None
         if prev is not None and prev.stage == t.stage and not (prev.repeated or t.repeated):
             fused[-1] = Task(
-                stage=t.stage, label=f"{prev.label}+{t.label}", ops=prev.ops + t.ops, repeated=False
+                stage=t.stage,
+                label=f"{prev.label}+{t.label}",
+                ops=prev.ops + t.ops,
+                repeated=False,
+                kept=prev.kept + t.kept,
             )
         else:
             fused.append(t)

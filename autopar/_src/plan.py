@@ -187,7 +187,8 @@ class Plan:
     def timeline(self, path: str, **simulate_kwargs: Any) -> None:
         """Draws the schedule as a Gantt chart PNG (one row per stage) from predicted times.
 
-        Measured times can be given as ``task_seconds={(stage, "F" | "B"): seconds}``.
+        Measured times can be given as ``task_seconds={(stage, "F" | "B" | "F+B"): seconds}``
+        (what :meth:`~autopar.AutoParallel.timed` returns).
         """
         from autopar._src import timeline
 

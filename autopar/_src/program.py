@@ -60,6 +60,10 @@ class Task:
     """Whether the task runs once per microbatch (sharing one executable)."""
     in_keys: tuple[Key, ...] = ()
     out_keys: tuple[Key, ...] = ()
+    kept: tuple[Key, ...] = ()
+    """For a task that joins a microbatch's forward and backward: what the forward keeps for
+    the backward inside the executable (:func:`~autopar._src.fusion.stored_residuals`), alive
+    as a stash would be between two tasks."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,10 +61,13 @@ def held_copies(program: Program, stage: int, alias: dict[Any, Any]) -> Counter:
     step, what its tasks make from then, and what it receives from its arrival, each until
     its last use on the stage (:func:`~autopar._src.program.live_at_runs`, the walk
     :func:`~autopar._src.memory.compiled_peak` follows too). A task's results sent on at once
-    are not held. Running sums, whose keys are not a microbatch's, are :func:`summed`."""
+    are not held. Running sums, whose keys are not a microbatch's, are :func:`summed`. A task
+    that joins a microbatch's forward and backward holds its :attr:`~autopar._src.program.Task.kept`
+    values too, as its backward starts."""
     most: Counter = Counter()
-    for _, live in live_at_runs(program, stage):
-        copies = Counter(alias_root(alias, key[0]) for key in live if of_microbatch(key))
+    for run, live in live_at_runs(program, stage):
+        held = (*live, *program.tasks[run.task].kept)
+        copies = Counter(alias_root(alias, key[0]) for key in held if of_microbatch(key))
         for v, n in copies.items():
             most[v] = max(most[v], n)
     return most

@@ -54,15 +54,24 @@ def _task_durations(
     else:
         fwd = bwd = [1.0] * len(stages)
     durations = {(s, p): t for s in range(len(stages)) for p, t in (("F", fwd[s]), ("B", bwd[s]))}
+    given: set[tuple[int, str]] = set()
     for key, seconds in (task_seconds or {}).items():
-        if key not in durations:
+        joined = isinstance(key, tuple) and len(key) == 2 and key[1] == "F+B" and (key[0], "F") in durations
+        if key not in durations and not joined:
             raise ValueError(
-                f"task_seconds key {key!r} is not a (stage, 'F' | 'B') pair with stage in [0, {len(stages)})"
+                f"task_seconds key {key!r} is not a (stage, 'F' | 'B' | 'F+B') pair with stage in "
+                f"[0, {len(stages)})"
             )
         if not seconds >= 0.0:
             raise ValueError(f"task_seconds[{key!r}]={seconds} must be a non-negative number of seconds")
-        durations[key] = float(seconds)
-    missing = sorted(durations.keys() - (task_seconds or {}).keys())
+        if joined:  # a stage's forward and backward run as one task: split by forward_fraction
+            durations[(key[0], "F")] = forward_fraction * float(seconds)
+            durations[(key[0], "B")] = float(seconds) - durations[(key[0], "F")]
+            given |= {(key[0], "F"), (key[0], "B")}
+        else:
+            durations[key] = float(seconds)
+            given.add(key)
+    missing = sorted(durations.keys() - given)
     if task_seconds and missing and not any(st.latency > 0.0 for st in stages):
         raise ValueError(
             f"task_seconds has no time for {missing}, and the plan has no predicted latencies to fill "
@@ -86,7 +95,8 @@ def simulate(
       transfer_seconds: ``transfer_seconds[s]`` is the time to send activations from stage
         ``s`` to ``s + 1`` (and gradients back); one entry per stage boundary, default 0.
       task_seconds: measured seconds keyed by ``(stage, "F" | "B")``; each entry overrides
-        the predicted time of that stage and pass.
+        the predicted time of that stage and pass. ``(stage, "F+B")``, a stage that runs
+        each microbatch's forward and backward as one task, is split by ``forward_fraction``.
 
     Returns:
       The forward and backward tasks in an order that respects every dependency, each
