@@ -48,7 +48,7 @@ class Case:
     num_devices: int
     """Devices of the submesh."""
     num_microbatches: int
-    """Microbatches the stage runs per step (a forward and a backward task each when above 1)."""
+    """Microbatches the stage runs per step (above 1: one task each, forward and backward joined)."""
     label: str
     """Label of the measurement."""
     fn: Any

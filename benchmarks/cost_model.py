@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         nargs="+",
         default=[1],
-        help="microbatch counts of the stage (above 1: a forward and a backward task per microbatch)",
+        help="microbatch counts of the stage (above 1: one task per microbatch, forward and backward joined)",
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
     parser.add_argument("--runs", type=int, default=7, help="timed steps; the median is kept")

@@ -174,13 +174,15 @@ def test_a_step_whose_program_changes_with_the_batch_size_has_no_fixed_traffic_r
     assert prof.forward_traffic.sum() > 0
 
 
-def _joined(read_e_by_a_matmul):
-    """A forward ``m = exp(x @ w) * 3`` and a backward that reads ``m`` through an add, and
-    ``e = exp(x @ w)`` by a matmul or not at all; the ops split where the backward starts."""
+
+def _joined(activation, read_e_by_a_matmul):
+    """A forward ``m = activation(x @ w) * 3`` and a backward that reads ``m`` through an add,
+    and ``e = activation(x @ w)`` by a matmul or not at all; the ops split where the backward
+    starts."""
 
     def fn(x, w):
         h = x @ w
-        e = jnp.exp(h)
+        e = activation(h)
         m = e * 3.0
         r = (m + 1.0) @ w.T
         return (r, x.T @ e) if read_e_by_a_matmul else r
@@ -190,12 +192,20 @@ def _joined(read_e_by_a_matmul):
     return ops[:first], ops[first:]
 
 
-def test_a_residual_xla_can_recompute_where_the_backward_reads_it_is_not_stored():
-    forward, backward = _joined(read_e_by_a_matmul=False)
+@pytest.mark.parametrize(
+    "activation,read_e_by_a_matmul,stored",
+    [
+        # m fuses into the backward's add, and e into m: only the matmul's output h is stored.
+        (lambda h: jnp.maximum(h, 0.0), False, "h"),
+        # A matmul reads e: e is stored, and m is recomputed from it.
+        (lambda h: jnp.maximum(h, 0.0), True, "e"),
+        # XLA does not compute an exp twice: e is stored, and m is recomputed from it.
+        (jnp.exp, False, "e"),
+    ],
+)
+def test_a_residual_xla_can_recompute_where_the_backward_reads_it_is_not_stored(
+    activation, read_e_by_a_matmul, stored
+):
+    forward, backward = _joined(activation, read_e_by_a_matmul)
     h, e, m = (op.outs[0] for op in forward)
-    # m fuses into the backward's add, and e into m: only the matmul's output h is stored.
-    assert fusion.stored_residuals(forward, backward) == (h,)
-    forward, backward = _joined(read_e_by_a_matmul=True)
-    h, e, m = (op.outs[0] for op in forward)
-    # A matmul reads e: e is stored, and m is recomputed from it.
-    assert fusion.stored_residuals(forward, backward) == (e,)
+    assert fusion.stored_residuals(forward, backward) == ({"h": h, "e": e}[stored],)

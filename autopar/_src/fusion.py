@@ -36,6 +36,13 @@ FUSIBLE_PRIMITIVES: frozenset[str] = (
     )
 )
 """Equations XLA fuses with what produces their operands (duplicating cheap producers)."""
+EXPENSIVE_PRIMITIVES: frozenset[str] = frozenset(
+    "acos acosh asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt cos cosh digamma div erf "
+    "erf_inv erfc exp exp2 expm1 igamma igamma_grad_a igammac lgamma log log1p log2 logistic "
+    "polygamma pow rem rsqrt sin sinh sqrt tan tanh zeta".split()
+)
+"""Elementwise primitives XLA does not duplicate into a second consumer's fusion (its
+``IsExpensive``): transcendental functions and division."""
 TRAFFIC_PER_WRITE = 2
 """Memory passes per value written: the write and one read back."""
 
@@ -59,8 +66,9 @@ def stored_residuals(forward: Sequence[Any], backward: Sequence[Any]) -> tuple[A
     and ``outs``).
 
     A value XLA can recompute where it is read is not stored: a :func:`regenerated` one, or a
-    :func:`fusible` one whose readers in ``backward`` all fuse. The values it is recomputed
-    from are then needed in its place, and stored or recomputed by the same rule.
+    cheap one (:func:`fusible`, not a reduction nor among :data:`EXPENSIVE_PRIMITIVES`) whose
+    readers in ``backward`` all fuse. The values it is recomputed from are then needed in its
+    place, and stored or recomputed by the same rule.
     """
     made = {k: op for op in forward for k in op.outs if k is not None}
 
@@ -75,6 +83,15 @@ def stored_residuals(forward: Sequence[Any], backward: Sequence[Any]) -> tuple[A
     def fuses(op: Any) -> bool:
         return op.eqn is not None and fusible(op.eqn)
 
+    def cheap(op: Any) -> bool:
+        name = op.eqn.primitive.name if op.eqn is not None else ""
+        return (
+            fuses(op)
+            and name not in EXPENSIVE_PRIMITIVES
+            and name not in REDUCTION_PRIMITIVES
+            and not elementwise_call(op.eqn)
+        )
+
     stored: dict[Any, None] = {}
     seen: set[Any] = set()
     todo = list(readers)
@@ -86,7 +103,7 @@ def stored_residuals(forward: Sequence[Any], backward: Sequence[Any]) -> tuple[A
         op = made[key]
         if op.eqn is not None and regenerated(op.eqn):
             continue
-        if fuses(op) and all(fuses(r) for r in readers.get(key, ())):
+        if cheap(op) and all(fuses(r) for r in readers.get(key, ())):
             todo.extend(named(op))
         else:
             stored[key] = None
