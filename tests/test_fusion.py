@@ -174,7 +174,6 @@ def test_a_step_whose_program_changes_with_the_batch_size_has_no_fixed_traffic_r
     assert prof.forward_traffic.sum() > 0
 
 
-
 def _joined(activation, read_e_by_a_matmul):
     """A forward ``m = activation(x @ w) * 3`` and a backward that reads ``m`` through an add,
     and ``e = activation(x @ w)`` by a matmul or not at all; the ops split where the backward
