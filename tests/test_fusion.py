@@ -207,4 +207,9 @@ def test_a_residual_xla_can_recompute_where_the_backward_reads_it_is_not_stored(
 ):
     forward, backward = _joined(activation, read_e_by_a_matmul)
     h, e, m = (op.outs[0] for op in forward)
-    assert fusion.stored_residuals(forward, backward) == ({"h": h, "e": e}[stored],)
+    names = {"h": h, "e": e, "m": m}
+    expected = {"h": ("h",), "e": ("e",)}[stored]
+    assert fusion.split_residuals(forward, backward)[0] == tuple(names[n] for n in expected)
+    # What is not stored is computed again where it is read.
+    recomputed = {"h": {"e", "m"}, "e": {"m"}}[stored]
+    assert set(fusion.split_residuals(forward, backward)[1]) == {names[n] for n in recomputed}

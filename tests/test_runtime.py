@@ -5,6 +5,7 @@ import itertools
 import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
 
+from autopar._src import fusion
 from models import train
 
 BATCH = 16
@@ -90,3 +91,13 @@ def test_a_stage_that_runs_a_microbatch_backward_right_after_its_forward_runs_th
         made_in_forward = {k for op in t.ops for k in op.outs if k is not None}
         kept = {k for k in made_in_forward if any(k in op.ins for op in t.ops)}
         assert kept and not kept & set(t.out_keys), t.label
+    # A backward apart from its forward makes again the cheap values the forward made from
+    # what it returns (XLA's choice inside one program): the forward does not return them.
+    by_label = {t.label: t for t in pipeline}
+    for s in set(range(num_stages)) - joined_stages:
+        forward, backward = by_label[f"F{s}.1"], by_label[f"B{s}.1"]
+        made = {k for op in forward.ops for k in op.outs if k is not None}
+        again = [op for op in backward.ops if op.kind == "eqn" and made.intersection(op.outs)]
+        assert again, forward.label
+        assert all(fusion.fusible(op.eqn) or fusion.regenerated(op.eqn) for op in again)
+        assert not {k for op in again for k in op.outs} & set(forward.out_keys)

@@ -59,11 +59,14 @@ def regenerated(eqn: Any) -> bool:
     return name == "iota" or (name == "broadcast_in_dim" and not getattr(eqn.invars[0].aval, "shape", ()))
 
 
-def stored_residuals(forward: Sequence[Any], backward: Sequence[Any]) -> tuple[Any, ...]:
-    """The values ``forward``'s ops make and ``backward``'s read that stay in memory between
-    the two when both run in one program (a task that joins a microbatch's forward and
-    backward; :class:`~autopar._src.program.Op` or graph ops, anything with ``eqn``, ``ins``
-    and ``outs``).
+def split_residuals(
+    forward: Sequence[Any], backward: Sequence[Any]
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``(stored, recomputed)``: of the values ``forward``'s ops make that ``backward``'s need,
+    those that stay in memory between the two when both run in one program (a task that joins
+    a microbatch's forward and backward), and those XLA computes again where they are read
+    (:class:`~autopar._src.program.Op` or graph ops, anything with ``eqn``, ``ins`` and
+    ``outs``).
 
     A value XLA can recompute where it is read is not stored: a :func:`regenerated` one, or a
     cheap one (:func:`fusible`, not a reduction nor among :data:`EXPENSIVE_PRIMITIVES`) whose
@@ -93,6 +96,7 @@ def stored_residuals(forward: Sequence[Any], backward: Sequence[Any]) -> tuple[A
         )
 
     stored: dict[Any, None] = {}
+    recomputed: dict[Any, None] = {}
     seen: set[Any] = set()
     todo = list(readers)
     while todo:
@@ -101,13 +105,14 @@ def stored_residuals(forward: Sequence[Any], backward: Sequence[Any]) -> tuple[A
             continue
         seen.add(key)
         op = made[key]
-        if op.eqn is not None and regenerated(op.eqn):
-            continue
-        if cheap(op) and all(fuses(r) for r in readers.get(key, ())):
+        if op.eqn is not None and (
+            regenerated(op.eqn) or (cheap(op) and all(fuses(r) for r in readers.get(key, ())))
+        ):
+            recomputed[key] = None
             todo.extend(named(op))
         else:
             stored[key] = None
-    return tuple(stored)
+    return tuple(stored), tuple(recomputed)
 
 
 def written_outputs(ops: Sequence[GraphOp]) -> list[tuple[bool, ...]]:

@@ -336,23 +336,42 @@ def _forward_backward_pairs(
     The joined task sits at the forward's place. Its residuals (what the forward keeps for the
     backward) stay inside one executable instead of being returned and passed back: for a
     model of many parameters that halves the arrays the driver passes per microbatch.
-    ``kept``: those XLA stores (:func:`~autopar._src.fusion.stored_residuals`).
+    ``kept``: those XLA stores (:func:`~autopar._src.fusion.split_residuals`).
+
+    A backward that runs apart makes again the residuals XLA would recompute (cheap values its
+    forward made from stored ones or from the forward's inputs), where no other task reads
+    them: its forward then returns only the stored ones.
     """
+    index = {(t.stage, t.microbatch, t.pass_): i for i, (t, _) in enumerate(pipe)}
+    readers: dict[Key, set[int]] = {}
+    for i, (_, ops) in enumerate(pipe):
+        for op in ops:
+            for k in op.ins:
+                if isinstance(k, tuple):
+                    readers.setdefault(k, set()).add(i)
+    remade: dict[int, list[Op]] = {}
     joined: list[tuple[str, int, list[Op], tuple[Key, ...]]] = []
     taken: set[int] = set()
     for a, (t, ops) in enumerate(pipe):
-        if a in taken:
+        b = index.get((t.stage, t.microbatch, "B")) if t.pass_ == "F" else None
+        if a in taken or b is None:
+            if a not in taken:
+                joined.append((str(t), t.stage, remade.get(a, ops), ()))
             continue
-        nxt = next((b for b in range(a + 1, len(pipe)) if pipe[b][0].stage == t.stage), None)
-        if t.pass_ == "F" and nxt is not None:
-            u, back = pipe[nxt]
-            between = {k for _, o in pipe[a + 1 : nxt] for op in o for k in op.outs}
-            if (u.pass_, u.microbatch) == ("B", t.microbatch) and not between.intersection(
-                k for op in back for k in op.ins if isinstance(k, tuple)
-            ):
-                taken.add(nxt)
-                joined.append((f"{t}+{u}", t.stage, ops + back, fusion.stored_residuals(ops, back)))
-                continue
+        back = pipe[b][1]
+        stored, recomputed = fusion.split_residuals(ops, back)
+        nxt = next(i for i in range(a + 1, len(pipe)) if pipe[i][0].stage == t.stage)
+        between = {k for _, o in pipe[a + 1 : nxt] for op in o for k in op.outs}
+        if nxt == b and not between.intersection(k for op in back for k in op.ins if isinstance(k, tuple)):
+            taken.add(b)
+            joined.append((f"{t}+{pipe[b][0]}", t.stage, ops + back, stored))
+            continue
+        again = set(recomputed)
+        copies = [op for op in ops if op.kind == "eqn" and again.intersection(op.outs)]
+        if all(readers.get(k, set()) <= {a, b} for k in again) and all(
+            k is None or k in again for op in copies for k in op.outs
+        ):
+            remade[b] = copies + back
         joined.append((str(t), t.stage, ops, ()))
     return joined
 

@@ -62,7 +62,7 @@ class Task:
     out_keys: tuple[Key, ...] = ()
     kept: tuple[Key, ...] = ()
     """For a task that joins a microbatch's forward and backward: what the forward keeps for
-    the backward inside the executable (:func:`~autopar._src.fusion.stored_residuals`), alive
+    the backward inside the executable (:func:`~autopar._src.fusion.split_residuals`), alive
     as a stash would be between two tasks."""
 
 
