@@ -353,10 +353,11 @@ def _forward_backward_pairs(
     joined: list[tuple[str, int, list[Op], tuple[Key, ...]]] = []
     taken: set[int] = set()
     for a, (t, ops) in enumerate(pipe):
+        if a in taken:
+            continue
         b = index.get((t.stage, t.microbatch, "B")) if t.pass_ == "F" else None
-        if a in taken or b is None:
-            if a not in taken:
-                joined.append((str(t), t.stage, remade.get(a, ops), ()))
+        if b is None:  # a backward (with what it remakes, found at its forward), or a lone forward
+            joined.append((str(t), t.stage, remade.get(a, ops), ()))
             continue
         back = pipe[b][1]
         stored, recomputed = fusion.split_residuals(ops, back)
