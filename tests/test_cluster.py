@@ -186,6 +186,18 @@ def test_link_for():
         cluster.link_for(spec, (3, 8))
 
 
+def test_axis_links_price_an_axis_within_a_host_while_it_fits():
+    spec = cluster.preset("h100", 4)
+    intra = (spec.intra_host_bandwidth, spec.intra_host_latency)
+    inter = (spec.inter_host_bandwidth, spec.inter_host_latency)
+    # The last axis is innermost: 8 devices fit one host, the outer axis spans all 32.
+    assert cluster.axis_links(spec, (4, 8)) == (inter, intra)
+    assert cluster.axis_links(spec, (8, 4)) == (inter, intra)
+    assert cluster.axis_links(spec, (2, 16)) == (inter, inter)
+    assert cluster.axis_links(spec, (2, 4)) == (intra, intra)
+    assert cluster.axis_links(spec, (1,)) == (intra,)
+
+
 @pytest.mark.parametrize(
     ("text", "hosts", "per_host", "device"),
     [

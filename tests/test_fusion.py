@@ -83,14 +83,18 @@ def test_the_ilp_charges_the_written_bytes_as_each_layout_splits_them():
     assert costs[("data", None)] == pytest.approx(WRITE / 2 / MEM_BW)
 
 
-def test_the_analytic_stage_costs_price_the_traffic_over_memory_bandwidth():
+def _gpt_tiny_profile():
     config = train.tiny_config("gpt")
     step, state = train.setup("gpt", "linen", config, optax.sgd(0.1))
     batch = train.make_batch("gpt", config, 16)
     num_state = len(jax.tree.leaves(state))
     ids = tuple(range(num_state, num_state + len(batch)))
     traced = planning.trace_at(step, (state, batch), ids, 16, trace.TraceOptions(num_layers=None))
-    prof = profile.layer_profile(traced, ids)
+    return profile.layer_profile(traced, ids)
+
+
+def test_the_analytic_stage_costs_price_the_traffic_over_memory_bandwidth():
+    prof = _gpt_tiny_profile()
     assert prof.forward_traffic.shape == prof.backward_traffic.shape == (prof.num_layers,)
     assert np.all(prof.forward_traffic > 0) and np.all(prof.backward_traffic > 0)
 
@@ -106,6 +110,26 @@ def test_the_analytic_stage_costs_price_the_traffic_over_memory_bandwidth():
     # Two data-parallel devices each move half the bytes; nothing else depends on bandwidth.
     assert slow_costs.compute[0, last, k, 0] - fast_costs.compute[0, last, k, 0] == pytest.approx(moved)
     assert slow_costs.latency[0, last, k, 0] - fast_costs.latency[0, last, k, 0] == pytest.approx(moved)
+
+
+def test_the_analytic_stage_costs_price_the_model_axis_of_a_two_host_stage_over_the_host_links():
+    prof = _gpt_tiny_profile()
+    spec = cluster.preset("h100", 2)
+    faster = dataclasses.replace(spec, intra_host_bandwidth=2 * spec.intra_host_bandwidth)
+    last = prof.num_layers - 1
+    k = cluster.submesh_shapes(spec).index((2, 8))
+    q = cluster.logical_shapes((2, 8)).index((2, 8))
+    base, fast = (
+        planner.stage_costs(prof, s, num_microbatches=1).latency[0, last, k, q] for s in (spec, faster)
+    )
+    # The model axis's 8 devices share a host: only its four activation all-reduces per layer
+    # (each device's half of the batch) take the faster link; the data axis crosses hosts.
+    acts = prof.boundary_bytes.sum() / 2
+    saved = 4 * 2 * 7 / 8 * acts * (1 / spec.intra_host_bandwidth - 1 / faster.intra_host_bandwidth)
+    assert saved > 0 and base - fast == pytest.approx(saved)
+
+
+D = 64
 
 
 D = 64

@@ -384,3 +384,20 @@ def link_for(spec: ClusterSpec, submesh: tuple[int, int]) -> Link:
     if hosts > 1:
         return Link(bandwidth=spec.inter_host_bandwidth, latency=spec.inter_host_latency)
     return Link(bandwidth=spec.intra_host_bandwidth, latency=spec.intra_host_latency)
+
+
+def axis_links(spec: ClusterSpec, shape: tuple[int, ...]) -> tuple[Link, ...]:
+    """The link each axis of a logical mesh of ``shape`` is priced by.
+
+    Devices are laid out in mesh order, the last axis fastest, so an axis of size ``s`` whose
+    inner axes hold ``k`` devices spans ``s * k`` consecutive devices: within one host while
+    that fits, else across hosts.
+    """
+    per_host = spec.devices_per_host
+    links = []
+    for i, size in enumerate(shape):
+        span = size * math.prod(shape[i + 1 :])
+        links.append(
+            link_for(spec, (1, span) if span <= per_host else (math.ceil(span / per_host), per_host))
+        )
+    return tuple(links)

@@ -11,7 +11,6 @@ of every task input and output on the stage and pins every equation's output wit
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -96,24 +95,15 @@ def logical_mesh(
 ) -> MeshSpec:
     """A logical mesh of ``shape`` with each axis priced by the links it spans.
 
-    Devices are laid out in mesh order, the last axis fastest, so an axis of size ``s`` whose
-    inner axes hold ``k`` devices spans ``s * k`` consecutive devices: within one host while
-    that fits, else across hosts (inter-host links). On the ``"cpu"`` platform a reduce-scatter
-    is priced as the all-reduce XLA lowers it to.
+    Axes are priced by :func:`autopar._src.cluster.axis_links`. On the ``"cpu"`` platform a
+    reduce-scatter is priced as the all-reduce XLA lowers it to.
     """
-    per_host = cluster.devices_per_host
-    bandwidth, latency = [], []
-    for i, size in enumerate(shape):
-        span = size * math.prod(shape[i + 1 :])
-        submesh = (1, span) if span <= per_host else (math.ceil(span / per_host), per_host)
-        link = cluster_mod.link_for(cluster, submesh)
-        bandwidth.append(link.bandwidth)
-        latency.append(link.latency)
+    links = cluster_mod.axis_links(cluster, shape)
     return MeshSpec(
         axis_names=axis_names,
         axis_sizes=shape,
-        bandwidth=tuple(bandwidth),
-        latency=tuple(latency),
+        bandwidth=tuple(link.bandwidth for link in links),
+        latency=tuple(link.latency for link in links),
         peak_flops=cluster.device.flops(dtype),
         memory_bandwidth=cluster.device.memory_bandwidth,
         emulated_reduce_scatter=platform == "cpu",

@@ -210,9 +210,11 @@ def stage_costs(
             # Both shrink with the devices: each one's share of the batch, or of the split dims.
             bandwidth = spec.device.memory_bandwidth
             compute = (flops / peak + traffic / bandwidth) / (dp * tp) + fixed_traffic / bandwidth / tp
+            # Each axis over the links it spans (the model axis innermost, within a host if it fits).
+            dp_link, tp_link = cluster_mod.axis_links(spec, (dp, tp))
             # Megatron-style: two all-reduces of the activations per layer, forward and backward.
-            tp_comm = 4 * _allreduce(acts / dp, tp, link)
-            grad_sync = _allreduce(params / tp, dp, link) / num_microbatches
+            tp_comm = 4 * _allreduce(acts / dp, tp, tp_link)
+            grad_sync = _allreduce(params / tp, dp, dp_link) / num_microbatches
             send = 2 * (out_bytes / dp / link.bandwidth + link.latency)
             if sharded is not None:
                 lat = ranges(sharded[:, k, q] * batch_scale) + send + 2 * task_overhead
