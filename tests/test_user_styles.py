@@ -1,0 +1,156 @@
+"""A model written the way users write them, not the way ``models/`` does: a rematerialised
+``nn.scan`` stack of blocks with a nested-``jit`` attention, a ``custom_jvp`` activation, and a
+top-1 mixture of experts that gathers each token's expert weights by index (its weight
+gradient a scatter-add) and sows a load-balancing value; a convolution stem with BatchNorm on
+a side input; dropout keyed from the state; an optax chain with clipping and a schedule."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from equality import TOLERANCES, assert_same_as_jit
+from flax.training import train_state
+
+import autopar
+
+D, VOCAB, TOKENS, EXPERTS = 32, 64, 16, 4
+
+
+@jax.custom_jvp
+def mish(x):
+    return x * jnp.tanh(jax.nn.softplus(x))
+
+
+@mish.defjvp
+def _mish_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    th = jnp.tanh(jax.nn.softplus(x))
+    return mish(x), dx * (th + x * (1 - th**2) * jax.nn.sigmoid(x))
+
+
+@functools.partial(jax.jit, static_argnames="heads")
+def causal_attention(q, k, v, heads):
+    b, t, d = q.shape
+
+    def split(z):
+        return z.reshape(b, t, heads, d // heads)
+
+    w = jnp.einsum("bqhd,bkhd->bhqk", split(q), split(k)) / jnp.sqrt(d // heads)
+    w = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), w, -1e9), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", w, split(v)).reshape(b, t, d)
+
+
+class GatheredExperts(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = jax.nn.softmax(nn.Dense(EXPERTS, use_bias=False)(tokens))
+        expert = jnp.argmax(probs, -1)
+        gate = jnp.take_along_axis(probs, expert[:, None], axis=1)[:, 0]
+        w_in = self.param("w_in", nn.initializers.normal(0.02), (EXPERTS, D, 2 * D))
+        w_out = self.param("w_out", nn.initializers.normal(0.02), (EXPERTS, 2 * D, D))
+        h = mish(jnp.einsum("nd,ndf->nf", tokens, w_in[expert]))
+        out = jnp.einsum("nf,nfd->nd", h, w_out[expert]) * gate[:, None]
+        load = jnp.zeros(EXPERTS).at[expert].add(1.0) / tokens.shape[0]
+        self.sow("intermediates", "balance", EXPERTS * jnp.sum(load * probs.mean(0)))
+        return out.reshape(x.shape)
+
+
+class Block(nn.Module):
+    deterministic: bool
+
+    @nn.compact
+    def __call__(self, x, _):
+        q, k, v = jnp.split(nn.Dense(3 * D)(nn.LayerNorm()(x)), 3, axis=-1)
+        h = nn.Dense(D)(causal_attention(q, k, v, heads=2))
+        x = x + nn.Dropout(0.1, deterministic=self.deterministic)(h)
+        return x + GatheredExperts()(nn.LayerNorm()(x)), None
+
+
+class Net(nn.Module):
+    per_microbatch_exact: bool  # no BatchNorm, dropout or sown aux: equal to jit with microbatches
+
+    @nn.compact
+    def __call__(self, ids, image):
+        y = nn.Conv(8, (3, 3), use_bias=False)(image)
+        y = nn.LayerNorm()(y) if self.per_microbatch_exact else nn.BatchNorm(use_running_average=False)(y)
+        x = nn.Embed(VOCAB, D)(ids) + nn.Dense(D)(jax.nn.relu(y).mean((1, 2)))[:, None, :]
+        stack = nn.scan(
+            nn.remat(Block),
+            variable_axes={"params": 0, "intermediates": 0},
+            split_rngs={"params": True, "dropout": True},
+            length=4,
+        )
+        x, _ = stack(deterministic=self.per_microbatch_exact)(x, None)
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+class State(train_state.TrainState):
+    batch_stats: dict
+    key: jax.Array
+
+
+def _setup(exact: bool):
+    net = Net(per_microbatch_exact=exact)
+    variables = net.init(
+        {"params": jax.random.key(0), "dropout": jax.random.key(1)},
+        jnp.zeros((8, TOKENS), jnp.int32),
+        jnp.zeros((8, 8, 8, 3)),
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(optax.linear_schedule(1e-2, 1e-3, 10), eps=1e-5)
+    )
+    state = State.create(
+        apply_fn=net.apply,
+        params=variables["params"],
+        tx=tx,
+        batch_stats=variables.get("batch_stats", {}),
+        key=jax.random.key(2),
+    )
+
+    def step(state, batch):
+        key, dropout_key = jax.random.split(state.key)
+
+        def loss_fn(params):
+            logits, updated = net.apply(
+                {"params": params, "batch_stats": state.batch_stats},
+                batch["ids"],
+                batch["image"],
+                rngs={"dropout": dropout_key},
+                mutable=["batch_stats", "intermediates"],
+            )
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["labels"][..., None], -1).mean()
+            if exact:
+                return nll, updated.get("batch_stats", state.batch_stats)
+            balance = jnp.mean(jax.tree.leaves(updated["intermediates"])[0])
+            return nll * (1 + 0.01 * jax.lax.stop_gradient(balance)), updated["batch_stats"]
+
+        (loss, batch_stats), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads).replace(batch_stats=batch_stats, key=key), loss
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "ids": rng.integers(0, VOCAB, (8, TOKENS)).astype(np.int32),
+            "image": rng.normal(size=(8, 8, 8, 3)).astype(np.float32),
+            "labels": rng.integers(0, VOCAB, (8, TOKENS)).astype(np.int32),
+        }
+        for _ in range(3)
+    ]
+    return step, state, batches
+
+
+def test_batchnorm_dropout_and_gathered_experts_in_a_scanned_remat_stack_equal_jit_over_stages():
+    step, state, batches = _setup(exact=False)
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=1)
+    assert len(par.plan(state, batches[0]).stages) == 2
+
+
+def test_gathered_experts_in_a_scanned_remat_stack_equal_jit_over_microbatches():
+    step, state, batches = _setup(exact=True)
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=4)
+    plan = par.plan(state, batches[0])
+    assert len(plan.stages) == 2 and plan.num_microbatches == 4
