@@ -1,8 +1,15 @@
-"""A model written the way users write them, not the way ``models/`` does: a rematerialised
-``nn.scan`` stack of blocks with a nested-``jit`` attention, a ``custom_jvp`` activation, and a
-top-1 mixture of experts that gathers each token's expert weights by index (its weight
-gradient a scatter-add) and sows a load-balancing value; a convolution stem with BatchNorm on
-a side input; dropout keyed from the state; an optax chain with clipping and a schedule."""
+"""Models written the way users write them, not the way ``models/`` does.
+
+- A rematerialised ``nn.scan`` stack of blocks with a nested-``jit`` attention, a ``custom_jvp``
+  activation, and a top-1 mixture of experts that gathers each token's expert weights by index
+  (its weight gradient a scatter-add) and sows a load-balancing value; a convolution stem with
+  BatchNorm on a side input; dropout keyed from the state; an optax chain with clipping and a
+  schedule.
+- A decoder with ``jax.nn.dot_product_attention``, multi-axis ``DenseGeneral``, RMSNorm, a gated
+  MLP and an embedding tied to the output (``Embed.attend``); a step that scales the loss and
+  keeps the scale in its state, skips non-finite updates (``optax.apply_if_finite``), decays a
+  masked subset of the weights, and keeps an exponential moving average of the parameters.
+"""
 
 import functools
 
@@ -154,3 +161,51 @@ def test_gathered_experts_in_a_scanned_remat_stack_equal_jit_over_microbatches()
     par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=4)
     plan = par.plan(state, batches[0])
     assert len(plan.stages) == 2 and plan.num_microbatches == 4
+
+
+class Decoder(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(VOCAB, D)
+        x = embed(ids)
+        for _ in range(4):
+            qkv = nn.DenseGeneral((3, 2, D // 2))(nn.RMSNorm()(x))
+            a = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
+            x = x + nn.DenseGeneral(D, axis=(-2, -1))(a)
+            h = nn.RMSNorm()(x)
+            x = x + nn.Dense(D)(jax.nn.silu(nn.Dense(2 * D)(h)) * nn.Dense(2 * D)(h))
+        return embed.attend(nn.RMSNorm()(x))
+
+
+def test_a_tied_decoder_with_loss_scaling_skipped_updates_masked_decay_and_an_average_equals_jit():
+    net = Decoder()
+    params = net.init(jax.random.key(0), jnp.zeros((8, TOKENS), jnp.int32))["params"]
+    decayed = jax.tree.map(lambda p: p.ndim > 1, params)
+    tx = optax.apply_if_finite(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.add_decayed_weights(1e-2, decayed), optax.sgd(0.1)),
+        3,
+    )
+    state = {"params": params, "opt": tx.init(params), "average": params, "scale": jnp.float32(2.0**10)}
+
+    def step(state, batch):
+        def loss_fn(params):
+            labels = optax.smooth_labels(jax.nn.one_hot(batch["labels"], VOCAB), 0.1)
+            logits = net.apply({"params": params}, batch["ids"])
+            return optax.softmax_cross_entropy(logits, labels).mean() * state["scale"]
+
+        scaled, grads = autopar.value_and_grad(loss_fn)(state["params"])
+        grads = jax.tree.map(lambda g: g / state["scale"], grads)
+        finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        average = jax.tree.map(lambda a, p: 0.9 * a + 0.1 * p, state["average"], params)
+        scale = jnp.where(finite, jnp.minimum(2 * state["scale"], 2.0**15), state["scale"] / 2)
+        return {"params": params, "opt": opt, "average": average, "scale": scale}, scaled / state["scale"]
+
+    rng = np.random.default_rng(1)
+    batches = [
+        {name: rng.integers(0, VOCAB, (8, TOKENS)).astype(np.int32) for name in ("ids", "labels")}
+        for _ in range(3)
+    ]
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=4, num_microbatches=4)
+    assert len(par.plan(state, batches[0]).stages) == 4
