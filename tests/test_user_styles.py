@@ -9,6 +9,9 @@
   MLP and an embedding tied to the output (``Embed.attend``); a step that scales the loss and
   keeps the scale in its state, skips non-finite updates (``optax.apply_if_finite``), decays a
   masked subset of the weights, and keeps an exponential moving average of the parameters.
+- An NNX model: convolutions with BatchNorm and dropout in an ``nnx.List``, multi-head
+  attention over the pixels, a forward-call counter in an ``nnx.Variable``; a functional step
+  over the split model and its ``nnx.Optimizer``.
 """
 
 import functools
@@ -18,7 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from equality import TOLERANCES, assert_same_as_jit
+from flax import nnx
 from flax.training import train_state
 
 import autopar
@@ -209,3 +214,60 @@ def test_a_tied_decoder_with_loss_scaling_skipped_updates_masked_decay_and_an_av
     ]
     par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=4, num_microbatches=4)
     assert len(par.plan(state, batches[0]).stages) == 4
+
+
+class ConvNorm(nnx.Module):
+    def __init__(self, cin: int, cout: int, rngs: nnx.Rngs, exact: bool):
+        self.conv = nnx.Conv(cin, cout, (3, 3), use_bias=False, rngs=rngs)
+        self.norm = nnx.LayerNorm(cout, rngs=rngs) if exact else nnx.BatchNorm(cout, rngs=rngs)
+        self.drop = nnx.Dropout(0.0 if exact else 0.2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(nnx.gelu(self.norm(self.conv(x))))
+
+
+class PixelAttention(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, exact: bool):
+        self.stem = nnx.List([ConvNorm(3, 16, rngs, exact), ConvNorm(16, 16, rngs, exact)])
+        # Without biases: a key bias has no gradient (softmax ignores a shift), so Adam would
+        # turn rounding noise into updates.
+        self.attention = nnx.MultiHeadAttention(
+            num_heads=2, in_features=16, qkv_features=16, use_bias=False, decode=False, rngs=rngs
+        )
+        self.norm = nnx.LayerNorm(16, rngs=rngs)
+        self.head = nnx.Linear(16, 10, rngs=rngs)
+        self.calls = nnx.Variable(jnp.int32(0))
+
+    def __call__(self, x):
+        for block in self.stem:
+            x = block(x)
+        tokens = x.reshape(x.shape[0], -1, x.shape[-1])
+        tokens = tokens + self.attention(self.norm(tokens), deterministic=True)
+        self.calls[...] += 1
+        return self.head(tokens.mean(1))
+
+
+@pytest.mark.parametrize(("exact", "num_microbatches"), [(False, 1), (True, 4)])
+def test_an_nnx_model_with_batchnorm_dropout_and_a_counter_equals_jit(exact, num_microbatches):
+    model = PixelAttention(nnx.Rngs(0, dropout=1), exact)
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-5), wrt=nnx.Param)))
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(m):
+            return optax.softmax_cross_entropy_with_integer_labels(m(batch["x"]), batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    rng = np.random.default_rng(2)
+    batches = [
+        {"x": rng.normal(size=(8, 8, 8, 3)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
+        for _ in range(3)
+    ]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=num_microbatches
+    )
+    assert len(par.plan(state, batches[0]).stages) == 2
