@@ -136,6 +136,23 @@ def test_steps_report_progress_and_refuse_non_finite_figures():
         calibrate_mod._run_steps([("zero", lambda: 0.0)], {}, progress=False)
 
 
+def test_the_link_bandwidth_is_the_slope_of_the_ring_times_and_ignores_a_cache_cliff():
+    n, fixed, bandwidth = 8, 14 * 30e-6, 2e9
+    sizes = [2**k for k in range(18, 26)]
+    seconds = [fixed + 2 * (n - 1) / n * b / bandwidth for b in sizes]
+    assert calibrate_mod.ring_bandwidth(sizes, seconds, n, fixed) == pytest.approx(bandwidth)
+    # The largest message falls off the caches (10x slower) and the smallest reads high: the
+    # median of the pairwise slopes is still the line's.
+    cliff = [seconds[0] * 1.5, *seconds[1:-1], seconds[-1] * 10]
+    assert calibrate_mod.ring_bandwidth(sizes, cliff, n, fixed) == pytest.approx(bandwidth)
+    # One size, or no positive slope: the largest message with its transfer floored at half.
+    assert calibrate_mod.ring_bandwidth([2**20], [4 * fixed], n, fixed) == pytest.approx(
+        2 * (n - 1) / n * 2**20 / (3 * fixed)
+    )
+    flat = calibrate_mod.ring_bandwidth([2**18, 2**19], [fixed, fixed], n, fixed)
+    assert flat == pytest.approx(2 * (n - 1) / n * 2**19 / (0.5 * fixed))
+
+
 def test_cluster_table_lists_every_figure():
     text = report.cluster_table(cluster.H100_SXM_8)
     assert "989.00 TFLOP/s" in text and "3.35 TB/s" in text and "450.00 GB/s" in text

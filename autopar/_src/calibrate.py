@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.stats
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -357,19 +358,34 @@ def _allreduce_latency(devices: Sequence[jax.Device], effort: _Effort) -> float:
 
 
 def _allreduce_bandwidth(devices: Sequence[jax.Device], effort: _Effort, room: int, latency: float) -> float:
-    """Link bandwidth of the ring model, from a large all-reduce and the measured latency."""
+    """Link bandwidth of the ring model, from all-reduces of growing messages and the latency."""
     n = len(devices)
     fixed = 2 * (n - 1) * latency
-    # Grow the message until moving it costs clearly more than the fixed latency.
+    # Messages double until one costs clearly more than the fixed latency.
     sizes = [s for s in _doublings(256 * 2**10, effort.max_allreduce_bytes) if 2 * s <= room] or [256 * 2**10]
-    num_bytes, seconds = _grown(
-        lambda size: _allreduce_call(devices, size),
-        sizes,
-        min_seconds=max(effort.min_seconds, 10 * fixed),
-        repeats=effort.repeats,
-    )
-    # time = 2 (n - 1) / n * bytes / bw + 2 (n - 1) * latency. Noise can make the difference tiny or
-    # negative when the largest message is still latency-bound; flooring the transfer time at half
-    # the total keeps the figure finite and within 2x of the latency-free lower bound.
-    transfer = max(seconds - fixed, 0.5 * seconds)
-    return 2 * (n - 1) / n * num_bytes / transfer
+    timed: list[tuple[int, float]] = []
+    for size in sizes:
+        timed.append((size, _median_seconds(_allreduce_call(devices, size), effort.repeats)))
+        if timed[-1][1] >= max(effort.min_seconds, 10 * fixed):
+            break
+    return ring_bandwidth([b for b, _ in timed], [t for _, t in timed], n, fixed)
+
+
+def ring_bandwidth(num_bytes: Sequence[float], seconds: Sequence[float], n: int, fixed: float) -> float:
+    """The link bandwidth of ring all-reduces of ``num_bytes`` per device over ``n`` devices that
+    took ``seconds``, ``fixed`` of which is latency.
+
+    Time grows by ``2 (n - 1) / n`` bytes over the bandwidth per byte of the message: the slope
+    is the Theil-Sen estimate (the median of the pairwise slopes), so a size that falls off a
+    cache, or one latency-bound reading, does not move it. Noise can leave no positive slope (a
+    single size, or messages all latency-bound): the largest message then gives the figure, its
+    transfer time floored at half its total, which keeps it finite and within 2x of the
+    latency-free lower bound.
+    """
+    ring = 2 * (n - 1) / n
+    if len(num_bytes) > 1:
+        slope = float(scipy.stats.theilslopes(seconds, num_bytes).slope)
+        if slope > 0 and math.isfinite(slope):
+            return ring / slope
+    transfer = max(seconds[-1] - fixed, 0.5 * seconds[-1])
+    return ring * num_bytes[-1] / transfer
