@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import optax
+from flax import nnx
 
 import autopar
 
@@ -44,3 +45,21 @@ def assert_same_as_jit(step, state, batches, tol, **options):
     ]
     assert any(moved)
     return par
+
+
+def nnx_classifier(model, tx):
+    """``(step, state)``: a functional train step of an NNX classifier (``batch["x"]`` to logits of
+    the integer labels ``batch["y"]``) and its ``nnx.Optimizer`` over the split state."""
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+
+        def loss_fn(m):
+            return optax.softmax_cross_entropy_with_integer_labels(m(batch["x"]), batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    return step, state

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from equality import OPTIMIZERS, TOLERANCES, as_numpy, assert_same_as_jit
+from equality import OPTIMIZERS, TOLERANCES, as_numpy, assert_same_as_jit, nnx_classifier
 from flax import nnx
 
 import autopar
@@ -85,19 +85,7 @@ class _BNNet(nnx.Module):
 
 
 def test_nnx_batchnorm_state_is_updated():
-    model = _BNNet(nnx.Rngs(0))
-    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)))
-
-    def step(state, batch):
-        model, opt = nnx.merge(graphdef, state)
-
-        def loss_fn(m):
-            return optax.softmax_cross_entropy_with_integer_labels(m(batch["x"]), batch["y"]).mean()
-
-        loss, grads = autopar.value_and_grad(loss_fn)(model)
-        opt.update(model, grads)
-        return nnx.state((model, opt)), loss
-
+    step, state = nnx_classifier(_BNNet(nnx.Rngs(0)), optax.sgd(0.1))
     config = train.tiny_config("mlp")
     batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
     par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from equality import TOLERANCES, assert_same_as_jit
+from equality import TOLERANCES, assert_same_as_jit, nnx_classifier
 from flax import nnx
 from flax.training import train_state
 
@@ -249,19 +249,7 @@ class PixelAttention(nnx.Module):
 
 @pytest.mark.parametrize(("exact", "num_microbatches"), [(False, 1), (True, 4)])
 def test_an_nnx_model_with_batchnorm_dropout_and_a_counter_equals_jit(exact, num_microbatches):
-    model = PixelAttention(nnx.Rngs(0, dropout=1), exact)
-    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-5), wrt=nnx.Param)))
-
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-
-        def loss_fn(m):
-            return optax.softmax_cross_entropy_with_integer_labels(m(batch["x"]), batch["y"]).mean()
-
-        loss, grads = autopar.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
-
+    step, state = nnx_classifier(PixelAttention(nnx.Rngs(0, dropout=1), exact), optax.adamw(1e-2, eps=1e-5))
     rng = np.random.default_rng(2)
     batches = [
         {"x": rng.normal(size=(8, 8, 8, 3)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
