@@ -1,6 +1,8 @@
 """Steps with ``cond`` and ``while_loop``: in the model, in the optimizer (``optax.MultiSteps``)
 and in the update, against ``jax.jit``; and how a once-per-step ``cond`` is split per stage."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -100,12 +102,14 @@ def test_an_elementwise_cond_may_take_any_layout_of_its_operands():
 
 
 def test_multisteps_accumulation_matches_jit_and_updates_stay_on_their_stages():
-    config = train.tiny_config("gpt")
+    # Wide enough that the ILP splits the weights, and their state, over "model" (below).
+    config = dataclasses.replace(train.tiny_config("gpt"), hidden=256)
     tx = optax.MultiSteps(OPTIMIZERS["adamw"](), every_k_schedule=2)
     step, state = train.setup("gpt", "linen", config, tx)
     # Three steps: accumulate, apply the accumulated update, accumulate.
     batches = [train.make_batch("gpt", config, 16, seed=i) for i in range(3)]
-    options = dict(num_stages=2, num_microbatches=2)
+    # Each stage's 4 devices as 2 x 2.
+    options = dict(num_stages=2, num_microbatches=2, mesh_shape=(2, 2))
     par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], **options)
     exe = par.executable(state, batches[0])
     cond_ops = [

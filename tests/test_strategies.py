@@ -119,12 +119,15 @@ def test_dot_general_on_1x8_mesh():
     assert row.input_specs == ((None, "model"), ("model", None)) and row.output_specs == ((None, None),)
     assert row.communication_cost == pytest.approx(all_reduce_cost(OUT_BYTES, 8, **link("model")))
     assert row.communication_cost == pytest.approx(2 * (7 / 8 * OUT_BYTES / BW["model"] + 7 * LAT["model"]))
+    assert row.latency_cost == pytest.approx(2 * 7 * LAT["model"])  # the ring's steps, whatever the bytes
     assert row.compute_cost == pytest.approx(FLOPS / 8 / PEAK)
     assert row.memory_bytes == pytest.approx(32 * 16 * 4 / 8 + OUT_BYTES)
 
     rs = s["row_reducescatter[model]"]  # the same partial sums, reduce-scattered onto the batch dim
     assert rs.output_specs == (("model", None),)
     assert rs.communication_cost == pytest.approx(reduce_scatter_cost(OUT_BYTES, 8, **link("model")))
+    assert rs.latency_cost == pytest.approx(7 * LAT["model"])
+    assert rep.latency_cost == col.latency_cost == 0
 
     dp = s["batch[model]"]
     assert dp.input_specs == (("model", None), (None, None)) and dp.communication_cost == 0
@@ -243,6 +246,7 @@ def test_reduction_over_sharded_dim_is_priced():
     reduced = s["split[d1@model]+allreduce"]
     assert reduced.output_specs == ((None,),)
     assert reduced.communication_cost == pytest.approx(all_reduce_cost(64 * 4, 8, **link("model")))
+    assert reduced.latency_cost == pytest.approx(2 * 7 * LAT["model"]) and kept.latency_cost == 0
 
 
 def test_reshape_transpose_and_broadcast_map_dims():

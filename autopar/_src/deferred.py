@@ -212,17 +212,36 @@ def priced_once(
     being already scaled by the times it runs, so a root inside a ``scan`` pays one all-reduce
     of all its iterations). Where the value the accumulator adds splits over a summed axis the
     driver reduces each microbatch, so that pair of choices (the root's and that value's) gets
-    the difference back on an edge."""
+    the difference back on an edge.
+
+    The gradients' collectives do not wait on one another, and XLA's combiners merge them
+    (a data-parallel step issues one all-reduce for all its gradients): outside a loop, or
+    summed over microbatches and reduced once, each gradient pays its bytes but not its own
+    ring's latency (:attr:`~autopar._src.sharding_ilp.Strategy.latency_cost`), which the
+    combined collective pays once for them all, whatever the layouts."""
     nodes, edges = list(nodes), list(edges)
     at_edge = {(e.src, e.dst): k for k, e in enumerate(edges)}
     seen = set()
     for chain in chains:
         root, links = chain.root, chain.links
         runs_per_step = runs.get(root, 1)
-        if root not in producer or runs_per_step <= 1 or root in seen:
+        if root not in producer or root in seen:
             continue  # (each microbatch's task gives the same chain)
         seen.add(root)
         i = producer[root][0]
+        # A scan's iterations each reduce their own slice unless the microbatches' sum waits.
+        if runs_per_step > 1 or not any(chain.at.values()):
+            nodes[i] = Node(
+                name=nodes[i].name,
+                strategies=tuple(
+                    dataclasses.replace(
+                        s, communication_cost=s.communication_cost - s.latency_cost, latency_cost=0.0
+                    )
+                    for s in nodes[i].strategies
+                ),
+            )
+        if runs_per_step <= 1:
+            continue
         summed = [
             set(reduced_axes(s.input_specs, s.output_specs[0], axis_names)) for s in nodes[i].strategies
         ]

@@ -214,7 +214,7 @@ def solve_stage(
         c._replace(links=[alias_root(alias, v) for v in c.links])
         for c in partial_chains.every_chain(
             lambda through: partial_chains.gradient_chains(
-                program.tasks, stage, lambda v: True, through_scatters=through
+                program.tasks, stage, lambda v: True, through_scatters=through, whole_batch=True
             )
         )
     ]

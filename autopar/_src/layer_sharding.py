@@ -203,16 +203,18 @@ def _solve(
     ops, carried = problems.ops[layer], problems.carried
     nodes, edges, producer = graph_of(ops, mesh, carried=carried, fixed=fixed, ties=problems.ties[layer])
     nodes = inputs_memory_only(nodes, producer, {name for op in ops for name in op.outs if name is not None})
+
+    def find(through: bool) -> list[partial_chains.Chain]:
+        return partial_chains.graph_chains(ops, carried, problems.loops, through_scatters=through)
+
+    chains = partial_chains.every_chain(find)
+    # The gradients' collectives share one latency; Megatron's accounting then spreads its
+    # gradients' tails over the step (below), autopar's sums wait for the last microbatch.
+    per_step = 1 if gradients == "megatron" else microbatches
+    runs = {chain.root: per_step for chain in chains}
+    nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     if microbatches > 1 and gradients == "megatron":
         nodes, edges = _once_per_step(ops, nodes, edges, producer, carried, microbatches)
-    elif microbatches > 1:
-
-        def find(through: bool) -> list[partial_chains.Chain]:
-            return partial_chains.graph_chains(ops, carried, problems.loops, through_scatters=through)
-
-        chains = partial_chains.every_chain(find)
-        runs = {chain.root: microbatches for chain in chains}
-        nodes, edges = deferred.priced_once(nodes, edges, producer, chains, runs, mesh.axis_names)
     solution = solve_merged(nodes, edges, memory_budget=memory_budget, time_limit=time_limit)[0]
     return solution.objective, total_memory(nodes, solution.choices)
 

@@ -185,6 +185,7 @@ def priced_strategy(
     *,
     flops: float = 0.0,
     comm: float = 0.0,
+    latency: float = 0.0,
     weight: int | None = None,
 ) -> Strategy:
     """One layout of ``eqn`` as a :class:`Strategy`, with its costs.
@@ -200,6 +201,7 @@ def priced_strategy(
         FLOPs) computes nothing here: the strategy graph charges the outputs XLA's fusion
         writes to memory (:mod:`autopar._src.fusion`), which depends on who reads them.
       comm: seconds of the collectives the layout issues.
+      latency: of ``comm``, the seconds that do not depend on the bytes (:func:`collective_latency`).
       weight: index of the operand (a parameter) whose share counts towards memory with the outputs.
     """
     outs = sum(share_bytes(v, s, mesh) for v, s in zip(eqn.outvars, out_specs, strict=True))
@@ -210,6 +212,7 @@ def priced_strategy(
         name=name,
         compute_cost=compute,
         communication_cost=comm,
+        latency_cost=latency,
         memory_bytes=memory,
         output_specs=tuple(tuple(s) for s in out_specs),
         input_specs=tuple(tuple(s) for s in in_specs),
@@ -223,6 +226,11 @@ def replicated_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     seconds = cost.eqn_flops(eqn) / mesh.peak_flops
     base = priced_strategy("replicated", eqn, mesh, in_specs, out_specs)
     return (dataclasses.replace(base, compute_cost=base.compute_cost + seconds),)
+
+
+def collective_latency(kind: Collective, axis: Axes, mesh: MeshSpec) -> float:
+    """The part of :func:`collective_cost` that does not depend on the bytes: its ring's steps."""
+    return collective_cost(kind, 0.0, axis, mesh)
 
 
 def collective_cost(kind: Collective, nbytes: float, axis: Axes, mesh: MeshSpec) -> float:

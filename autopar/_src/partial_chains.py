@@ -58,7 +58,12 @@ class Chain(NamedTuple):
 
 
 def gradient_chains(
-    tasks: Sequence[Task], stage: int, is_partial: Callable[[Any], bool], *, through_scatters: bool = False
+    tasks: Sequence[Task],
+    stage: int,
+    is_partial: Callable[[Any], bool],
+    *,
+    through_scatters: bool = False,
+    whole_batch: bool = False,
 ) -> list[Chain]:
     """The :class:`Chain` of every gradient of ``stage`` that is made as partial sums: its root
     by an equation of :data:`PARTIAL_SUM_PRIMITIVES` (for which ``is_partial`` holds for its
@@ -69,7 +74,10 @@ def gradient_chains(
     :class:`~autopar._src.strategy_graph.Inner` as the ILP names them, and the call's result
     is a link. A ``scatter-add`` into zeros is a root where ``is_partial`` holds for it (and
     ``through_scatters`` is off), and otherwise a link, linear in its updates (a position
-    embedding's gradient scatters a sum over the batch)."""
+    embedding's gradient scatters a sum over the batch).
+
+    With ``whole_batch``, a step of one microbatch, whose region outputs are its values as they
+    are, gives the chains of those values too (their total is the output), for pricing."""
 
     def descend(eqn: Any, index: int) -> tuple[list[Path], int] | None:
         return _call_chain(eqn, index, (), is_partial, through_scatters)
@@ -78,7 +86,12 @@ def gradient_chains(
     for task in tasks:
         if task.stage != stage:
             continue
-        adds = [op for op in task.ops if op.kind == "acc" and op.mode == "add"]
+        adds = [
+            op
+            for op in task.ops
+            if op.kind == "acc"
+            and (op.mode == "add" or (whole_batch and op.mode == "copy" and op.out[1] is None))
+        ]
         made = {
             k: (op.eqn, op.ins, index)
             for op in task.ops
@@ -89,7 +102,7 @@ def gradient_chains(
         reads = Counter(k for op in task.ops if op not in adds for k in op.ins if isinstance(k, tuple))
         reads.update(task.out_keys)
         for op in adds:  # the running sum, then the values it adds
-            for value in op.ins[1:]:
+            for value in op.ins[1:] if op.mode == "add" else op.ins:
                 paths = _partial_chain(
                     value, made, reads, 0, is_partial, descend, lambda k: k[0], through_scatters
                 )

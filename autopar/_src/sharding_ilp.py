@@ -44,13 +44,17 @@ class Strategy:
     """Seconds of the collectives this strategy issues itself (e.g. the all-reduce after a row split)."""
     memory_bytes: float
     """Bytes per device this node keeps: its share of parameters, optimizer state and outputs."""
+    latency_cost: float = 0.0
+    """Of ``communication_cost``, the seconds its collectives take whatever their size (the ring's
+    steps): what combining it with other independent collectives saves (see
+    :func:`~autopar._src.deferred.priced_once`)."""
     output_specs: tuple[Spec, ...] = ()
     """Per output, the mesh axis (or None) of each tensor dim."""
     input_specs: tuple[Spec, ...] = ()
     """Per input, the mesh axis (or None) of each tensor dim that this strategy needs."""
 
     def __post_init__(self) -> None:
-        for field in ("compute_cost", "communication_cost", "memory_bytes"):
+        for field in ("compute_cost", "communication_cost", "memory_bytes", "latency_cost"):
             value = getattr(self, field)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"Strategy {self.name!r}: {field}={value} must be finite and >= 0")

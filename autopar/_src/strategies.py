@@ -28,6 +28,7 @@ from autopar._src.layout_costs import (
     broadcast_spec,
     candidate_specs,
     collective_cost,
+    collective_latency,
     divides,
     priced_strategy,
     replicated_strategies,
@@ -100,14 +101,17 @@ def _from_pieces(
                 collectives.append((piece.collective, axis, piece.out_dim))
         if not ok:
             continue
-        comm = 0.0
+        comm = latency = 0.0
         for kind, axis, out_dim in collectives:
             partial = tuple(None if d == out_dim else a for d, a in enumerate(out))
             comm += collective_cost(kind, share_bytes(eqn.outvars[0], partial, mesh), axis, mesh)
+            latency += collective_latency(kind, axis, mesh)
         name = "+".join(f"{p}[{'.'.join(entry_axes(a))}]" for p, a in plan) or "replicated"
         specs = [tuple(s) for s in ins]
         result.append(
-            priced_strategy(name, eqn, mesh, specs, [tuple(out)], flops=flops, comm=comm, weight=weight)
+            priced_strategy(
+                name, eqn, mesh, specs, [tuple(out)], flops=flops, comm=comm, latency=latency, weight=weight
+            )
         )
     return tuple(result)
 
@@ -274,8 +278,9 @@ def _reduction(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         split = [a for d, a in enumerate(spec) if d in reduced and a is not None]
         nbytes = factor * share_bytes(eqn.outvars[0], out_spec, mesh)
         comm = sum(collective_cost("allreduce", nbytes, a, mesh) for a in split)
+        latency = sum(collective_latency("allreduce", a, mesh) for a in split)
         name = spec_name(spec) + ("+allreduce" if split else "")
-        result.append(priced_strategy(name, eqn, mesh, [spec], [out_spec], comm=comm))
+        result.append(priced_strategy(name, eqn, mesh, [spec], [out_spec], comm=comm, latency=latency))
     return tuple(result)
 
 

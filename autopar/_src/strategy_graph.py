@@ -251,6 +251,7 @@ def _scaled(s: Strategy, weight: int) -> Strategy:
         name=s.name,
         compute_cost=s.compute_cost * weight,
         communication_cost=s.communication_cost * weight,
+        latency_cost=s.latency_cost * weight,
         memory_bytes=s.memory_bytes,
         output_specs=s.output_specs,
         input_specs=s.input_specs,
