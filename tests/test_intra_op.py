@@ -435,3 +435,19 @@ def test_received_activations_the_backward_reads_again_are_held_per_microbatch_i
     expected = sum(n * layout_costs.share_bytes(v, full.specs[v], mesh) for v, n in extra.items() if n > 0)
     assert expected > 0
     np.testing.assert_allclose(full.memory_bytes - bare.memory_bytes, expected, rtol=1e-9)
+
+
+def test_a_data_parallel_mixture_of_experts_routes_and_dispatches_on_its_own_groups():
+    """Laid out by the ILP around data parallelism's inputs, the MoE step keeps each device's
+    routing groups local, as pjit data parallelism does: its top-2 routing (``jnp.stack``) and
+    its per-expert matmuls (batched over the experts, split over the groups) need no
+    collective, and the step's only ones reduce the gradients. Before the rules for both, the
+    plan all-gathered 7 values and ran 2 all-to-alls per step (42 ms against pjit's 27)."""
+    config = train.tiny_config("moe")
+    step, state = train.setup("moe", "linen", config, OPTIMIZERS["adamw"]())
+    batches = [train.make_batch("moe", config, 32, seed=i) for i in range(2)]
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["adamw"], sharding="data", num_stages=1, num_microbatches=1
+    )
+    kinds = {kind for kind, _ in _collectives(_hlo(par.executable(state, batches[0])))}
+    assert kinds == {"all-reduce"}, kinds

@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 from autopar._src import sharding_ilp
-from autopar._src.collectives import all_reduce_cost, reduce_scatter_cost
+from autopar._src.collectives import all_reduce_cost, entry_axes, reduce_scatter_cost
 from autopar._src.strategies import MeshSpec, eqn_strategies
 from autopar._src.strategy_graph import build_graph, specs_of
 
@@ -324,9 +324,39 @@ def test_dynamic_slice_lookup_and_fallback():
     s = by_name(eqn_strategies(eqn, mesh(1, 8)))
     assert s["split[d1@model]"].input_specs[0] == (None, "model")
     assert s["vocab[model]"].input_specs[0] == ("model", None) and s["vocab[model]"].communication_cost > 0
-    eqn = first_eqn(lambda a: lax.sort(a, dimension=0), X, primitive="sort")
+    eqn = first_eqn(lambda a: lax.approx_max_k(a, 4), X, primitive="approx_top_k")  # no rule: replicated
     (only,) = eqn_strategies(eqn, mesh(2, 4))
     assert only.name == "replicated" and only.input_specs == ((None, None),)
+
+
+@pytest.mark.parametrize(
+    "fn, primitive, along",
+    [
+        (lambda a: jnp.concatenate([a, 2 * a], axis=1), "concatenate", 1),
+        (lambda a: jnp.stack([a, 2 * a], axis=1), "stack", 1),  # the results' new dim 1
+        (lambda a: jnp.unstack(a.reshape(64, 2, 16), axis=1), "unstack", 1),  # the operand's dim 1
+        (lambda a: jnp.split(a, [8], axis=1), "split", 1),
+        (lambda a: lax.sort(a, dimension=1), "sort", 1),
+        (lambda a: lax.top_k(a, 4), "top_k", 1),
+        (lambda a: jnp.concatenate([a, 2 * a], axis=0), "concatenate", 0),
+    ],
+)
+def test_equations_along_one_dim_keep_splits_of_the_others(fn, primitive, along):
+    """A join, part or order along one dim leaves every other dim's split in place, on every
+    operand and result alike; the dim it works along stays whole. Before these rules such
+    equations ran replicated, and a data-parallel mixture of experts all-gathered its top-2
+    routing (jnp.stack) every layer."""
+    eqn = first_eqn(fn, X, primitive=primitive)
+    s = by_name(eqn_strategies(eqn, mesh(2, 4)))
+    assert "replicated" in s and len(s) > 1
+    rank = max(len(v.aval.shape) for v in (*eqn.invars, *eqn.outvars))
+    batch = 0 if along else 1  # the one other dim of X
+    split = next(v for k, v in s.items() if k != "replicated" and "data" in str(v.output_specs))
+    for spec in (*split.input_specs, *split.output_specs):
+        full = len(spec) == rank
+        assert spec[along] is None if full else True
+        assert "data" in entry_axes(spec[batch if full or batch < along else batch - 1])
+    assert all(v.communication_cost == 0 for v in s.values())
 
 
 def mlp_loss(w1, w2, x, y):
@@ -500,3 +530,17 @@ def test_every_strategy_of_a_transformer_step_is_well_formed():
     solution = sharding_ilp.solve(nodes, edges)
     specs = specs_of(solution.choices, nodes, closed)
     assert set(specs) == set(var_specs)
+
+
+def test_a_batched_matmul_can_split_its_lhs_rows():
+    """A mixture of experts' per-expert matmul ``egcm,emh->egch`` batches over the experts; its
+    data-parallel layout splits the tokens' groups (lhs's leading free dim) and keeps the
+    experts' weights whole, as XLA would propagate a batch split, with no collective."""
+    tokens, weights = jnp.ones((4, 8, 16, 32)), jnp.ones((4, 32, 64))
+    eqn = first_eqn(lambda t, w: jnp.einsum("egcm,emh->egch", t, w), tokens, weights, primitive="dot_general")
+    s = by_name(eqn_strategies(eqn, mesh(2, 4)))
+    rows = s["rows[data]"]
+    assert rows.input_specs == ((None, "data", None, None), (None, None, None))
+    assert rows.output_specs == ((None, "data", None, None),) and rows.communication_cost == 0
+    assert s["batch[data]"].input_specs[1] == ("data", None, None)  # expert parallel: weights split
+    assert "rows[data]+column[model]" in s

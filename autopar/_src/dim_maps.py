@@ -1,5 +1,7 @@
 """Strategies of the equations that move, add or drop dims (reshape, transpose, broadcast,
-slices, cumulative ops): a split of the operand survives where its dim maps to an output dim.
+slices, cumulative ops): a split of the operand survives where its dim maps to an output dim;
+and of those that join, part or order values along one dim (concatenate, stack, split, sort,
+top-k): a split survives on every other dim.
 """
 
 from __future__ import annotations
@@ -169,3 +171,49 @@ def windowed_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         ins = [spec if len(shape_of(v)) == rank else (None,) * len(shape_of(v)) for v in eqn.invars]
         result.append(priced_strategy(spec_name(spec), eqn, mesh, ins, [spec] * len(eqn.outvars)))
     return tuple(result)
+
+
+ALONG_ONE_DIM_PRIMITIVES: frozenset[str] = frozenset("concatenate stack unstack split sort top_k".split())
+"""Primitives that join, part or order their operands along one dim and leave the others alone."""
+
+
+def _along(eqn: Any) -> tuple[int, int]:
+    """``(the dim the equation works along, the rank of the values that have it)``."""
+    p = eqn.params
+    ranks = [len(shape_of(v)) for v in (*eqn.invars, *eqn.outvars)]
+    rank = max(ranks)
+    axis = p["dimension"] if "dimension" in p else p.get("axis", -1)  # top_k: the last dim before jax 0.10
+    return axis % rank, rank
+
+
+def along_one_dim_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    """Strategies of an equation of :data:`ALONG_ONE_DIM_PRIMITIVES`: each split of the dims it
+    leaves alone, the same on every operand and result (``stack`` adds the dim its operands
+    lack, ``unstack`` drops it from its results), the dim it works along whole.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> mesh = MeshSpec(axis_names=("data",), axis_sizes=(8,), bandwidth=(1e11,), latency=(1e-6,),
+      ...                 peak_flops=1e14, memory_bandwidth=1e12)
+      >>> x = jnp.ones((8, 4))
+      >>> (eqn,) = jax.make_jaxpr(lambda a: jnp.concatenate([a, a], 1))(x).jaxpr.eqns
+      >>> [s.input_specs for s in along_one_dim_strategies(eqn, mesh)]
+      [((None, None), (None, None)), (('data', None), ('data', None))]
+    """
+    axis, rank = _along(eqn)
+    full = next(shape_of(v) for v in (*eqn.invars, *eqn.outvars) if len(shape_of(v)) == rank)
+    rest = full[:axis] + full[axis + 1 :]
+
+    def placed(spec: Spec, v: Any) -> Spec:
+        return spec[:axis] + (None,) + spec[axis:] if len(shape_of(v)) == rank else spec
+
+    return tuple(
+        priced_strategy(
+            spec_name(placed(spec, eqn.outvars[0])),
+            eqn,
+            mesh,
+            [placed(spec, v) for v in eqn.invars],
+            [placed(spec, v) for v in eqn.outvars],
+        )
+        for spec in candidate_specs(rest, mesh)
+    )

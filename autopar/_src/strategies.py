@@ -16,8 +16,10 @@ from typing import Any, NamedTuple
 from autopar._src import compat, cost
 from autopar._src.collectives import Axes, entry_axes
 from autopar._src.dim_maps import (
+    ALONG_ONE_DIM_PRIMITIVES,
     DIM_MAP_PRIMITIVES,
     WINDOW_PRIMITIVES,
+    along_one_dim_strategies,
     dim_map_strategies,
     windowed_strategies,
 )
@@ -156,8 +158,9 @@ def _dot_general(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     pieces: dict[str, _Piece] = {}
     if lb:  # batched matmul (e.g. attention): split the leading batch dim of both
         pieces["batch"] = _Piece(((0, lb[0]), (1, rb[0])), 0)
-    elif lfree:  # data parallel: the leading non-contracting dim of lhs
-        pieces["batch"] = _Piece(((0, lfree[0]),), len(lb))
+    if lfree:  # data parallel: the leading non-contracting dim of lhs (under a batched
+        # matmul, e.g. the tokens' groups of a mixture of experts' per-expert matmul)
+        pieces["batch" if not lb else "rows"] = _Piece(((0, lfree[0]),), len(lb))
     if len(lb) >= 2:
         pieces["heads"] = _Piece(((0, lb[1]), (1, rb[1])), 1)
     if rfree:  # Megatron column split: output's last dim, no communication
@@ -168,6 +171,8 @@ def _dot_general(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         if out_rank:
             pieces["row_reducescatter"] = _Piece(((0, lc[0]), (1, rc[0])), rs_dim, "reducescatter")
     plans = _standard_plans(mesh, "batch", ("heads", "column", *ROW), ROW)
+    if "rows" in pieces:
+        plans += [p for p in _standard_plans(mesh, "rows", ("column", *ROW), ROW) if p not in plans]
     return _from_pieces(eqn, mesh, pieces, plans, flops=cost.eqn_flops(eqn), weight=1)
 
 
@@ -315,6 +320,7 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     Covers ``dot_general`` (batch, Megatron column and row splits, 2-D combinations),
     ``conv_general_dilated`` (batch, output-channel and input-channel splits), elementwise primitives,
     reductions, dim-moving primitives (reshape, transpose, broadcast, squeeze, slices, ...),
+    those that work along one dim (concatenate, stack, split, sort, top-k),
     pooling (``reduce_window_*`` and its derivatives, split where the windows leave a dim alone),
     embedding-style ``gather`` / ``dynamic_slice`` / ``scatter-add``; any other equation
     gets the replicated strategy only. ``input_specs`` has one spec per invar (literals too).
@@ -341,6 +347,8 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         result = _reduction(eqn, mesh)
     elif name in DIM_MAP_PRIMITIVES and eqn.invars:
         result = dim_map_strategies(eqn, mesh)
+    elif name in ALONG_ONE_DIM_PRIMITIVES and eqn.invars:
+        result = along_one_dim_strategies(eqn, mesh)
     elif name in WINDOW_PRIMITIVES:
         result = windowed_strategies(eqn, mesh)
     else:
