@@ -182,7 +182,7 @@ def _along(eqn: Any) -> tuple[int, int]:
     p = eqn.params
     ranks = [len(shape_of(v)) for v in (*eqn.invars, *eqn.outvars)]
     rank = max(ranks)
-    axis = p["dimension"] if "dimension" in p else p.get("axis", -1)  # top_k: the last dim before jax 0.10
+    axis = p["dimension"] if "dimension" in p else p.get("axis", -1)  # a top_k without one: the last
     return axis % rank, rank
 
 
