@@ -15,7 +15,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import clustering, compat, cond_split, cost
+from autopar._src import clustering, compat, cond_split, cost, user_constraints
 
 BoundaryKind = Literal["fwd", "bwd"]
 
@@ -56,24 +56,33 @@ def inline_calls(
     """Evaluates ``jaxpr`` with every nested ``jit`` call inlined (use under tracing).
 
     With ``split_conds`` each ``cond`` is also split into one per independent group of its
-    results (:func:`autopar._src.cond_split.split_cond`)."""
+    results (:func:`autopar._src.cond_split.split_cond`). The step's own sharding constraints
+    are dropped, in bodies too (:mod:`autopar._src.user_constraints`)."""
     env: dict[Any, Any] = {}
 
     def read(a: Any) -> Any:
         return compat.literal_value(a) if compat.is_literal(a) else env[a]
 
+    def run(body: Any, body_consts: Sequence[Any], *xs: Any) -> list[Any]:
+        return inline_calls(body, body_consts, xs)
+
     for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args), strict=True):
         env[v] = x
     for eqn in jaxpr.eqns:
         invals = [read(a) for a in eqn.invars]
-        if compat.is_call(eqn):
+        outs: list[Any] | None
+        if user_constraints.is_constraint(eqn):
+            outs = user_constraints.dropped(eqn, invals)
+        elif compat.is_call(eqn):
             body, body_consts = compat.call_body(eqn)
             outs = inline_calls(body, body_consts, invals, split_conds=split_conds)
         else:
-            outs = (cond_split.split_cond(eqn, invals) if split_conds else None) or compat.bind_eqn(
-                eqn, invals
-            )
-        for v, x in zip(eqn.outvars, outs, strict=True):
+            outs = cond_split.split_cond(eqn, invals) if split_conds else None
+            if outs is None:
+                outs = user_constraints.rebind(eqn, invals, run)
+            if outs is None:
+                outs = compat.bind_eqn(eqn, invals)
+        for v, x in zip(eqn.outvars, outs or [], strict=True):
             if not compat.is_dropvar(v):
                 env[v] = x
     return [read(a) for a in jaxpr.outvars]

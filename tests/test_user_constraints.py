@@ -1,0 +1,105 @@
+"""A step that still carries the ``with_sharding_constraint`` calls of a hand-written pjit plan."""
+
+import inspect
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from equality import TOLERANCES, assert_same_as_jit
+from flax.training import train_state
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import autopar
+from autopar._src import trace
+from autopar._src.user_constraints import first_constraint
+
+D = 16
+# The user's own mesh over all 8 devices, as a pjit plan has; a stage on 4 devices cannot run it.
+MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+
+
+def constrain(x, spec):
+    return jax.lax.with_sharding_constraint(x, NamedSharding(MESH, spec))
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = constrain(nn.gelu(nn.Dense(4 * D)(x)), P("data", None, "model"))
+        return x + nn.Dense(D)(h), None
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, flag):
+        x = jax.jit(lambda y: constrain(y, P("data")))(nn.Dense(D)(x))  # in a nested jit
+        x = nn.remat(Block)()(x, None)[0]  # in a rematerialised call
+        x = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()(x, None)[0]
+        x = jax.lax.cond(flag, lambda y: constrain(jnp.tanh(y), P("data")), lambda y: y * 0.5, x)
+        return nn.Dense(4)(x)
+
+
+def _setup():
+    net = Net()
+    x = np.random.default_rng(0).normal(size=(8, 4, D)).astype(np.float32)
+    params = net.init(jax.random.key(0), x, True)["params"]
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adamw(1e-2, eps=1e-5))
+
+    def step(state, batch):
+        def loss_fn(p):
+            out = state.apply_fn({"params": p}, batch["x"], batch["flag"][0])
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        # ... and in the update, where a pjit plan shards the optimizer's state.
+        grads = jax.tree.map(lambda g: constrain(g, P()), grads)
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(1)
+    batches = [
+        {
+            "x": rng.normal(size=(8, 4, D)).astype(np.float32),
+            "y": rng.normal(size=(8, 4, 4)).astype(np.float32),
+            "flag": np.full((8,), flag),
+        }
+        for flag in (True, False, True)
+    ]
+    return step, state, batches
+
+
+def test_the_steps_own_sharding_constraints_are_dropped_with_a_warning_and_it_runs_over_stages():
+    step, state, batches = _setup()
+    with pytest.warns(
+        UserWarning, match=r"ignores the with_sharding_constraint at .*test_user_constraints\.py:"
+    ):
+        traced = trace.trace_step(step, (state, batches[0]), trace.TraceOptions(num_layers=None))
+    assert first_constraint(traced.jaxpr) is None
+    (region,) = trace.find_regions(traced.jaxpr)
+    assert first_constraint(traced.jaxpr.eqns[region].params["info"].jaxpr) is None
+    # Without dropping them the 4-device stages would be refused by XLA (two device sets).
+    with pytest.warns(UserWarning, match="ignores the with_sharding_constraint"):
+        assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=2)
+
+
+def test_a_constraint_inside_a_custom_derivative_is_an_error_naming_its_line():
+    @jax.custom_jvp
+    def act(x):
+        return jax.lax.with_sharding_constraint(jnp.tanh(x), NamedSharding(MESH, P("data")))
+
+    act.defjvp(lambda p, t: (act(p[0]), t[0] * (1 - jnp.tanh(p[0]) ** 2)))
+
+    def step(w, batch):
+        loss, g = autopar.value_and_grad(lambda w: jnp.mean(act(batch @ w) ** 2))(w)
+        return w - 0.1 * g, loss
+
+    lines, first = inspect.getsourcelines(act.__wrapped__)
+    line = first + next(i for i, text in enumerate(lines) if "with_sharding_constraint" in text)
+    with pytest.raises(
+        ValueError, match=re.escape(f"test_user_constraints.py:{line}") + ".*remove the constraint"
+    ):
+        autopar.autoparallel(step, num_stages=1)(jnp.ones((D, D)), jnp.ones((8, D)))
