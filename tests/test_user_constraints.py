@@ -103,3 +103,63 @@ def test_a_constraint_inside_a_custom_derivative_is_an_error_naming_its_line():
         ValueError, match=re.escape(f"test_user_constraints.py:{line}") + ".*remove the constraint"
     ):
         autopar.autoparallel(step, num_stages=1)(jnp.ones((D, D)), jnp.ones((8, D)))
+
+
+RULES = (("batch", "data"), ("mlp", "model"), ("embed", None), ("length", None))
+
+
+class LogicalBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(4 * D, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        h = nn.with_logical_constraint(nn.relu(h), ("batch", "length", "mlp"))
+        return x + nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
+
+
+class LogicalNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4)(LogicalBlock()(LogicalBlock()(x)))
+
+
+def test_a_step_called_under_the_users_mesh_and_logical_rules_runs_on_its_own_submeshes():
+    net = LogicalNet()
+    rng = np.random.default_rng(2)
+    batches = [
+        {
+            "x": rng.normal(size=(8, 4, D)).astype(np.float32),
+            "y": rng.normal(size=(8, 4, 4)).astype(np.float32),
+        }
+        for _ in range(3)
+    ]
+    params = net.init(jax.random.key(0), batches[0]["x"])["params"]
+    assert any(
+        isinstance(p, nn.LogicallyPartitioned)
+        for p in jax.tree.leaves(params, is_leaf=lambda p: isinstance(p, nn.LogicallyPartitioned))
+    )
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adamw(1e-2, eps=1e-5))
+
+    def step(state, batch):
+        def loss_fn(p):
+            return jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    # jax.jit constrains to the user's mesh; autopar's stages on devices 0-3 and 4-7 leave it.
+    with jax.set_mesh(MESH), nn.logical_axis_rules(RULES):
+        assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=2)
+    assert jax.sharding.get_mesh().empty
+
+
+def test_a_constraint_that_needs_the_users_mesh_while_traced_is_an_error_naming_the_fix():
+    def step(w, batch):
+        loss, g = autopar.value_and_grad(
+            lambda w: jnp.mean(jax.lax.with_sharding_constraint(batch @ w, P("data")) ** 2)
+        )(w)
+        return w - 0.1 * g, loss
+
+    with jax.set_mesh(MESH), pytest.raises(ValueError, match="jax.set_mesh.*NamedSharding"):
+        autopar.autoparallel(step, num_stages=2)(jnp.ones((D, D)), jnp.ones((8, D)))
+    assert jax.sharding.get_mesh().empty

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from autopar._src import autoplan, build, compat, driver, schedule
+from autopar._src import autoplan, build, compat, driver, schedule, trace
 from autopar._src.cluster import ClusterSpec, parse_cluster
 from autopar._src.plan import Plan
 
@@ -208,8 +208,9 @@ class AutoParallel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
-        exe = self._lookup(leaves, in_tree)
-        return jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves)))
+        with trace.outside_user_mesh():
+            exe = self._lookup(leaves, in_tree)
+            return jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves)))
 
     def timed(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[tuple[int, str], float]]:
         """Runs one step waiting for every task; returns the outputs and measured times.
@@ -221,9 +222,10 @@ class AutoParallel:
         pipeline, so the step itself is slower than a normal call.
         """
         leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
-        exe = self._lookup(leaves, in_tree)
         times: list[float] = []
-        out = jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves), task_times=times))
+        with trace.outside_user_mesh():
+            exe = self._lookup(leaves, in_tree)
+            out = jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves), task_times=times))
         per_task: dict[tuple[int, str], list[float]] = {}
         for task, seconds in zip(exe.program.tasks, times, strict=True):
             match = re.fullmatch(r"([FB])\d+\.\d+(\+B\d+\.\d+)?", task.label)
@@ -258,7 +260,8 @@ class AutoParallel:
         return bound.args
 
     def _executable(self, args: tuple[Any, ...]) -> driver.Executable:
-        return self._lookup(*jax.tree.flatten(args))
+        with trace.outside_user_mesh():
+            return self._lookup(*jax.tree.flatten(args))
 
     def _lookup(self, leaves: list[Any], in_tree: Any) -> driver.Executable:
         """The executable for arguments with these leaves, built on first use."""

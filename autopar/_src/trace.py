@@ -34,6 +34,26 @@ class TraceOptions:
 _OPTIONS: contextvars.ContextVar[TraceOptions | None] = contextvars.ContextVar(
     "autopar_trace_options", default=None
 )
+_USER_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("autopar_user_mesh", default=None)
+
+
+@contextlib.contextmanager
+def outside_user_mesh() -> Iterator[None]:
+    """Runs autopar's own work, tracing the step included, without the mesh the caller set with
+    ``jax.set_mesh``: its stages run on submeshes of their own, which ``jit`` refuses beside a
+    context mesh over other devices, and an equation traced under a mesh keeps it. Without a
+    mesh Flax's ``nn.with_logical_constraint`` is the identity; the step's other constraints
+    name their own mesh and are dropped (:mod:`autopar._src.user_constraints`)."""
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        yield
+        return
+    token = _USER_MESH.set(mesh)
+    try:
+        with jax.set_mesh(None):
+            yield
+    finally:
+        _USER_MESH.reset(token)
 
 
 @contextlib.contextmanager
@@ -304,7 +324,17 @@ def trace_step(fn: Callable[..., Any], args: tuple[Any, ...], options: TraceOpti
         return out_leaves
 
     with tracing(options):
-        closed = jax.make_jaxpr(flat_fn)(*leaves)
+        try:
+            closed = jax.make_jaxpr(flat_fn)(*leaves)
+        except RuntimeError as e:
+            user_mesh = _USER_MESH.get()
+            if user_mesh is None or "mesh" not in str(e):
+                raise
+            raise ValueError(
+                f"The step needs the mesh set with jax.set_mesh ({user_mesh}) while it is traced, "
+                f"which autopar leaves, since its stages run on submeshes of their own: {e} Give "
+                "a with_sharding_constraint its mesh (a NamedSharding; autopar drops it) or remove it."
+            ) from e
     jaxpr, consts = compat.jaxpr_and_consts(closed)
     flat = jax.make_jaxpr(lambda c, xs: layers.inline_calls(jaxpr, c, xs, split_conds=True))(
         consts, list(leaves)
