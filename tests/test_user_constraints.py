@@ -163,3 +163,76 @@ def test_a_constraint_that_needs_the_users_mesh_while_traced_is_an_error_naming_
     with jax.set_mesh(MESH), pytest.raises(ValueError, match="jax.set_mesh.*NamedSharding"):
         autopar.autoparallel(step, num_stages=2)(jnp.ones((D, D)), jnp.ones((8, D)))
     assert jax.sharding.get_mesh().empty
+
+
+def rms_norm(x):  # a kernel written per device, over the user's 8-device mesh
+    def local(x):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+
+    return jax.shard_map(local, mesh=MESH, in_specs=P(("data", "model")), out_specs=P(("data", "model")))(x)
+
+
+class MappedNet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = rms_norm(nn.gelu(nn.Dense(D)(x)))
+        return nn.Dense(4)(x)
+
+
+def test_a_step_with_a_shard_map_runs_as_one_stage_on_its_mesh_and_other_plans_are_an_error():
+    net = MappedNet()
+    rng = np.random.default_rng(3)
+    batches = [
+        {"x": rng.normal(size=(16, D)).astype(np.float32), "y": rng.normal(size=(16, 4)).astype(np.float32)}
+        for _ in range(3)
+    ]
+    params = net.init(jax.random.key(0), batches[0]["x"])["params"]
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adamw(1e-2, eps=1e-5))
+
+    def step(state, batch):
+        def loss_fn(p):
+            return jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    # The stage search keeps to one stage on all 8 devices (unrestricted, it pipelines this step).
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches=2)
+    assert [st.device_ids for st in par.plan(state, batches[0]).stages] == [tuple(range(8))]
+    for options in (dict(num_stages=2, num_microbatches=2), dict(num_stages=1, devices=jax.devices()[:4])):
+        with pytest.raises(
+            ValueError, match=r"shard_map at .*test_user_constraints\.py:\d+ \(rms_norm\).*num_stages=1"
+        ):
+            autopar.autoparallel(step, **options)(state, batches[0])
+
+
+class WideMapped(nn.Module):
+    mapped: bool
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(8):
+            x = nn.gelu(nn.Dense(2048)(x))
+            x = rms_norm(x) if self.mapped else x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+        return nn.Dense(4)(x)
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_the_stage_search_keeps_a_step_with_a_shard_map_to_one_stage_on_the_whole_cluster(mapped):
+    net = WideMapped(mapped)
+    x = jax.ShapeDtypeStruct((256, 2048), jnp.float32)
+
+    def make_state():
+        params = net.init(jax.random.key(0), jnp.zeros(x.shape))["params"]
+        return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adamw(1e-2))
+
+    def step(state, batch):
+        loss, grads = autopar.value_and_grad(lambda p: jnp.mean(state.apply_fn({"params": p}, batch) ** 2))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads), loss
+
+    plan = autopar.plan_step(step, jax.eval_shape(make_state), x, cluster="2x8xV100", num_microbatches=8)
+    # Over two hosts the same step with its norm written in jnp is pipelined.
+    assert [len(st.device_ids) for st in plan.stages] == ([16] if mapped else [4, 4, 4, 4])

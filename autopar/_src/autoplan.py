@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import planner, stages, trace
+from autopar._src import planner, stages, trace, user_constraints
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
 from autopar._src.planning import region_layers, require_region, stage_details, step_profile, trace_at
 from autopar._src.schedule import ScheduleName
@@ -124,6 +124,9 @@ def auto_plan(
             stages=(stage,),
         )
 
+    # A step that binds a mesh of its own (shard_map) runs as one stage on it (check_meshes).
+    one_stage = bool(user_constraints.bound_to_meshes(step.jaxpr))
+
     def plan_layers(step: trace.TracedStep) -> tuple[trace.TracedStep, Plan]:
         """The plan for the layers ``step`` is cut into."""
         prof = step_profile(fn, args, batch_ids, trace_rows, step)
@@ -168,6 +171,7 @@ def auto_plan(
                 tensor_parallel=tensor_parallel,
                 measured=measured,
                 sharded=sharded,
+                one_stage=one_stage,
             )
 
         # The ILP's seconds do not shrink in proportion to the microbatch (collective latencies

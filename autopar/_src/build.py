@@ -22,6 +22,7 @@ from autopar._src import (
     planner,
     planning,
     profile,
+    user_constraints,
 )
 from autopar._src.cluster import ClusterSpec
 from autopar._src.plan import Plan
@@ -80,6 +81,9 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             if failed is None:
                 raise
             raise failed from e  # no plan for the smaller device: the stage's error is the cause
+        user_constraints.check_meshes(
+            user_constraints.bound_to_meshes(step.jaxpr), [st.device_ids for st in plan.stages]
+        )
         if jax.process_count() > 1:  # process 0's plan on every process (see multihost)
             agreed = Plan.from_json(multihost.agree(plan.to_json().encode()).decode())
             if agreed != plan:

@@ -260,8 +260,10 @@ def solve(
     memory_headroom: float = MEMORY_HEADROOM,
     measured: np.ndarray | None = None,
     sharded: np.ndarray | None = None,
+    one_stage: bool = False,
 ) -> tuple[stages.StageSolution, StageCosts]:
-    """Runs the stage DP on the analytic costs, keeping ``memory_headroom`` of memory free.
+    """Runs the stage DP on the analytic costs, keeping ``memory_headroom`` of memory free;
+    with ``one_stage``, over plans of one stage on the whole cluster only.
 
     Raises:
       NoFeasiblePlanError: if no plan fits the devices' memory.
@@ -278,6 +280,9 @@ def solve(
         measured=measured,
         sharded=sharded,
     )
+    if one_stage:
+        whole = np.array([h * d == spec.num_devices for h, d in costs.submeshes])
+        costs = dataclasses.replace(costs, latency=np.where(whole[:, None], costs.latency, np.inf))
     try:
         solution = _solve(costs, spec, budget, num_microbatches, schedule, layer_names)
     except stages.NoFeasiblePlanError as e:

@@ -8,6 +8,10 @@ and a layout the ILP did not choose. So while ``@autoparallel`` traces a step,
 inside nested calls, rematerialised calls, ``scan`` and ``while`` bodies and ``cond``
 branches too, and warns once per line that wrote one. A constraint it cannot take out (in a
 ``custom_jvp``/``custom_vjp`` function or a ``while`` predicate) is an error naming its line.
+
+An equation that runs on a mesh of its own (``shard_map``) cannot be dropped: a step with one
+runs as one stage on exactly that mesh's devices (:func:`check_meshes`; ``num_stages="auto"``
+searches only such plans).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from autopar._src import compat
 
@@ -72,3 +77,32 @@ def rebind(eqn: Any, invals: Sequence[Any], run: Run) -> list[Any] | None:
             f"{eqn.primitive.name})."
         )
     return compat.bind_with_body(eqn, body, functools.partial(run, body, []), invals)
+
+
+def bound_to_meshes(jaxpr: Any) -> list[tuple[Any, Mesh]]:
+    """The equations in ``jaxpr`` or its bodies (a grad region's too) that run on a mesh of the
+    step's own (``shard_map``), each with that mesh."""
+    found = []
+    for eqn in jaxpr.eqns:
+        found += [(eqn, m) for m in eqn.params.values() if isinstance(m, Mesh) and not m.empty]
+        for body in compat.bodies(eqn):
+            found += bound_to_meshes(body)
+    return found
+
+
+def check_meshes(found: Sequence[tuple[Any, Mesh]], stage_devices: Sequence[Sequence[int]]) -> None:
+    """Raises unless the plan is one stage on exactly the devices of each of the step's meshes.
+
+    Raises:
+      ValueError: naming the equation's line, its mesh's devices and the plan's stages.
+    """
+    for eqn, mesh in found:
+        ids = sorted(d.id for d in mesh.devices.flat)
+        if len(stage_devices) != 1 or sorted(stage_devices[0]) != ids:
+            raise ValueError(
+                f"The {eqn.primitive.name} at {compat.source_line(eqn)} runs on a mesh of its own, devices "
+                f"{ids}, but the plan's {len(stage_devices)} stage(s) run on devices "
+                f"{[list(s) for s in stage_devices]}: a step that binds a mesh runs as one stage on "
+                "exactly its devices. Pass num_stages=1 (or 'auto') and devices= those devices, or "
+                f"take the {eqn.primitive.name} out of the step."
+            )
