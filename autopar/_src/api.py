@@ -208,8 +208,8 @@ class AutoParallel:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
+        exe = self._lookup(leaves, in_tree)
         with trace.outside_user_mesh():
-            exe = self._lookup(leaves, in_tree)
             return jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves)))
 
     def timed(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[tuple[int, str], float]]:
@@ -223,8 +223,8 @@ class AutoParallel:
         """
         leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
         times: list[float] = []
+        exe = self._lookup(leaves, in_tree)
         with trace.outside_user_mesh():
-            exe = self._lookup(leaves, in_tree)
             out = jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves), task_times=times))
         per_task: dict[tuple[int, str], list[float]] = {}
         for task, seconds in zip(exe.program.tasks, times, strict=True):
@@ -260,8 +260,7 @@ class AutoParallel:
         return bound.args
 
     def _executable(self, args: tuple[Any, ...]) -> driver.Executable:
-        with trace.outside_user_mesh():
-            return self._lookup(*jax.tree.flatten(args))
+        return self._lookup(*jax.tree.flatten(args))
 
     def _lookup(self, leaves: list[Any], in_tree: Any) -> driver.Executable:
         """The executable for arguments with these leaves, built on first use."""
@@ -277,7 +276,8 @@ class AutoParallel:
         exe = self._cache.get(key)
         if exe is None:
             args = jax.tree.unflatten(in_tree, leaves)
-            exe = self._cache[key] = build.executable(self.fn, args, self.options)
+            with trace.outside_user_mesh():
+                exe = self._cache[key] = build.executable(self.fn, args, self.options)
         return exe
 
 
