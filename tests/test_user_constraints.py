@@ -123,21 +123,17 @@ class LogicalNet(nn.Module):
         return nn.Dense(4)(LogicalBlock()(LogicalBlock()(x)))
 
 
-def test_a_step_called_under_the_users_mesh_and_logical_rules_runs_on_its_own_submeshes():
-    net = LogicalNet()
-    rng = np.random.default_rng(2)
+def _regression(net, x_shape, seed):
+    """``(step, state, batches)``: a mean-squared-error step of ``net`` and three batches."""
+    rng = np.random.default_rng(seed)
     batches = [
         {
-            "x": rng.normal(size=(8, 4, D)).astype(np.float32),
-            "y": rng.normal(size=(8, 4, 4)).astype(np.float32),
+            "x": rng.normal(size=x_shape).astype(np.float32),
+            "y": rng.normal(size=(*x_shape[:-1], 4)).astype(np.float32),
         }
         for _ in range(3)
     ]
     params = net.init(jax.random.key(0), batches[0]["x"])["params"]
-    assert any(
-        isinstance(p, nn.LogicallyPartitioned)
-        for p in jax.tree.leaves(params, is_leaf=lambda p: isinstance(p, nn.LogicallyPartitioned))
-    )
     state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adamw(1e-2, eps=1e-5))
 
     def step(state, batch):
@@ -146,6 +142,14 @@ def test_a_step_called_under_the_users_mesh_and_logical_rules_runs_on_its_own_su
 
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
+
+    return step, state, batches
+
+
+def test_a_step_called_under_the_users_mesh_and_logical_rules_runs_on_its_own_submeshes():
+    step, state, batches = _regression(LogicalNet(), (8, 4, D), seed=2)
+    boxed = jax.tree.leaves(state.params, is_leaf=lambda p: isinstance(p, nn.LogicallyPartitioned))
+    assert any(isinstance(p, nn.LogicallyPartitioned) for p in boxed)
 
     # jax.jit constrains to the user's mesh; autopar's stages on devices 0-3 and 4-7 leave it.
     with jax.set_mesh(MESH), nn.logical_axis_rules(RULES):
@@ -181,23 +185,8 @@ class MappedNet(nn.Module):
 
 
 def test_a_step_with_a_shard_map_runs_as_one_stage_on_its_mesh_and_other_plans_are_an_error():
-    net = MappedNet()
-    rng = np.random.default_rng(3)
-    batches = [
-        {"x": rng.normal(size=(16, D)).astype(np.float32), "y": rng.normal(size=(16, 4)).astype(np.float32)}
-        for _ in range(3)
-    ]
-    params = net.init(jax.random.key(0), batches[0]["x"])["params"]
-    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.adamw(1e-2, eps=1e-5))
-
-    def step(state, batch):
-        def loss_fn(p):
-            return jnp.mean((state.apply_fn({"params": p}, batch["x"]) - batch["y"]) ** 2)
-
-        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    # The stage search keeps to one stage on all 8 devices (unrestricted, it pipelines this step).
+    step, state, batches = _regression(MappedNet(), (16, D), seed=3)
+    # One stage on the shard_map's 8 devices (the next test shows the search keeps to such plans).
     par = assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages="auto", num_microbatches=2)
     assert [st.device_ids for st in par.plan(state, batches[0]).stages] == [tuple(range(8))]
     for options in (dict(num_stages=2, num_microbatches=2), dict(num_stages=1, devices=jax.devices()[:4])):
