@@ -70,19 +70,16 @@ def inline_calls(
         env[v] = x
     for eqn in jaxpr.eqns:
         invals = [read(a) for a in eqn.invars]
-        outs: list[Any] | None
         if user_constraints.is_constraint(eqn):
             outs = user_constraints.dropped(eqn, invals)
         elif compat.is_call(eqn):
             body, body_consts = compat.call_body(eqn)
             outs = inline_calls(body, body_consts, invals, split_conds=split_conds)
         else:
-            outs = cond_split.split_cond(eqn, invals) if split_conds else None
-            if outs is None:
-                outs = user_constraints.rebind(eqn, invals, run)
-            if outs is None:
-                outs = compat.bind_eqn(eqn, invals)
-        for v, x in zip(eqn.outvars, outs or [], strict=True):
+            split = cond_split.split_cond(eqn, invals) if split_conds else None
+            rebound = user_constraints.rebind(eqn, invals, run) if split is None else split
+            outs = compat.bind_eqn(eqn, invals) if rebound is None else rebound
+        for v, x in zip(eqn.outvars, outs, strict=True):
             if not compat.is_dropvar(v):
                 env[v] = x
     return [read(a) for a in jaxpr.outvars]
