@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from autopar._src import sharding_ilp
+from autopar._src import cost, sharding_ilp
 from autopar._src.collectives import all_reduce_cost, entry_axes, reduce_scatter_cost
 from autopar._src.strategies import MeshSpec, eqn_strategies
 from autopar._src.strategy_graph import build_graph, specs_of
@@ -223,6 +223,37 @@ def test_conv_weight_gradient_of_a_batch_split_is_an_all_reduce():
     # the forward convolution: Megatron's row split over input channels
     row = by_name(eqn_strategies(forward, mesh(2, 4)))["row_allreduce[model]"]
     assert row.input_specs == ((None, None, None, "model"), (None, None, "model", None))
+
+
+def test_ragged_dot_and_its_gradients_split_columns_and_contractions_but_not_ragged_rows():
+    m, k, n, g = 64, 32, 16, 4
+    x, w, sizes = jnp.ones((m, k)), jnp.ones((g, k, n)), jnp.full((g,), m // g, jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum(lax.ragged_dot(x, w, sizes) ** 2)
+
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w)
+    eqns = {e.outvars[0].aval.shape: e for e in closed.jaxpr.eqns if e.primitive.name == "ragged_dot_general"}
+    assert set(eqns) == {(m, n), (m, k), (g, k, n)}  # forward, rows' gradient, weights' gradient
+    for eqn in eqns.values():  # every row meets one group's weights: no factor of g
+        assert cost.eqn_flops(eqn) == 2 * m * k * n
+    forward = by_name(eqn_strategies(eqns[m, n], mesh(2, 4)))
+    assert forward["column[model]"].input_specs == ((None, None), (None, None, "model"), (None,))
+    assert forward["column[model]"].output_specs == ((None, "model"),)
+    assert forward["column[model]"].communication_cost == 0
+    row = forward["row_allreduce[model]"]
+    assert row.input_specs == ((None, "model"), (None, "model", None), (None,))
+    assert row.communication_cost == pytest.approx(all_reduce_cost(m * n * 4, 4, **link("model")))
+    assert forward["column[data.model]"].compute_cost == pytest.approx(forward["replicated"].compute_cost / 8)
+    # The ragged rows are never split outside a contraction.
+    for eqn in eqns.values():
+        for strategy in eqn_strategies(eqn, mesh(2, 4)):
+            assert strategy.input_specs[0][0] is None or (g, k, n) == eqn.outvars[0].aval.shape
+    # The weights' gradient leads with the groups: the rows' features split its second dim.
+    wgrad = by_name(eqn_strategies(eqns[g, k, n], mesh(2, 4)))
+    assert wgrad["lhs_column[model]"].output_specs == ((None, "model", None),)
+    assert wgrad["column[model]"].output_specs == ((None, None, "model"),)
+    assert wgrad["row_allreduce[data]"].input_specs == (("data", None), ("data", None), (None,))
 
 
 def test_elementwise_follows_operand_and_keeps_broadcast_dims_replicated():

@@ -9,6 +9,8 @@
   MLP and an embedding tied to the output (``Embed.attend``); a step that scales the loss and
   keeps the scale in its state, skips non-finite updates (``optax.apply_if_finite``), decays a
   masked subset of the weights, and keeps an exponential moving average of the parameters.
+- A dropless mixture of experts in MaxText's style: tokens sorted by expert, counted with
+  ``bincount`` and multiplied by their experts' weights with ``lax.ragged_dot``.
 - An NNX model: convolutions with BatchNorm and dropout in an ``nnx.List``, multi-head
   attention over the pixels, a forward-call counter in an ``nnx.Variable``; a functional step
   over the split model and its ``nnx.Optimizer``.
@@ -27,6 +29,7 @@ from flax import nnx
 from flax.training import train_state
 
 import autopar
+from autopar._src import intra_op
 
 D, VOCAB, TOKENS, EXPERTS = 32, 64, 16, 4
 
@@ -259,3 +262,84 @@ def test_an_nnx_model_with_batchnorm_dropout_and_a_counter_equals_jit(exact, num
         step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=num_microbatches
     )
     assert len(par.plan(state, batches[0]).stages) == 2
+
+
+class DroplessExperts(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = jax.nn.softmax(nn.Dense(EXPERTS, use_bias=False)(tokens))
+        expert = jnp.argmax(probs, -1)
+        order = jnp.argsort(expert)
+        sizes = jnp.bincount(expert, length=EXPERTS).astype(jnp.int32)
+        w_in = self.param("w_in", nn.initializers.normal(0.02), (EXPERTS, x.shape[-1], self.hidden))
+        w_out = self.param("w_out", nn.initializers.normal(0.02), (EXPERTS, self.hidden, x.shape[-1]))
+        h = jax.nn.gelu(jax.lax.ragged_dot(tokens[order], w_in, sizes))
+        out = jnp.zeros_like(tokens).at[order].set(jax.lax.ragged_dot(h, w_out, sizes))
+        return (out * jnp.take_along_axis(probs, expert[:, None], 1)).reshape(x.shape)
+
+
+class DroplessLM(nn.Module):
+    hidden: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(VOCAB, D)(ids)
+        for _ in range(self.layers):
+            x = x + DroplessExperts(self.hidden)(nn.LayerNorm()(x))
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+def _dropless(hidden: int, layers: int, batch: int):
+    net = DroplessLM(hidden, layers)
+    params = net.init(jax.random.key(0), jnp.zeros((batch, TOKENS), jnp.int32))["params"]
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.sgd(0.1))
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["ids"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(3)
+    batches = [
+        {name: rng.integers(0, VOCAB, (batch, TOKENS)).astype(np.int32) for name in ("ids", "labels")}
+        for _ in range(3)
+    ]
+    return step, state, batches
+
+
+def test_a_dropless_mixture_of_experts_equals_jit_over_stages_and_microbatches():
+    """The experts' group sizes are counts over the microbatch's tokens, but they place rows
+    rather than scale them: the loss is still a mean (it was once refused as "proportional to
+    the batch size to the power 16")."""
+    step, state, batches = _dropless(hidden=2 * D, layers=4, batch=8)
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
+    assert len(par.plan(state, batches[0]).stages) == 2
+
+
+def test_a_dropless_mixture_of_experts_splits_its_experts_weights_as_megatron_does():
+    """On one (1, 8) stage, with a small batch and wide experts, the ILP lays the grouped
+    matmuls out as Megatron's MLP: the first splits its experts' columns, the second their rows
+    (partial sums, all-reduced); the ragged rows stay whole. Replicated, every device would
+    multiply every token by every weight."""
+    step, state, batches = _dropless(hidden=1024, layers=1, batch=2)
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(1, 8)
+    )
+    exe = par.executable(state, batches[0])
+    chosen = exe.shardings[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    specs = {p: chosen.specs.get(v) for p, v in zip(paths, exe.step.arg_vars, strict=False)}
+    assert specs[".params['DroplessExperts_0']['w_in']"] == (None, None, "model")
+    assert specs[".params['DroplessExperts_0']['w_out']"] == (None, "model", None)
+    ops = [
+        op for op in intra_op.stage_ops(exe.program, 0)[0] if op.eqn.primitive.name == "ragged_dot_general"
+    ]
+    assert len(ops) == 6  # forward, and the gradients of the rows and of the weights
+    assert all(chosen.strategies[op.outs[0]] != "replicated" for op in ops)

@@ -133,8 +133,9 @@ def _eqn(
     elif extreme is not None:
         scaling = extreme
     else:
-        degree = _degree(e, [0.0 if s is None else s.degree for s in ins])
-        origin = next((s.origin for s in ins if s is not None), e)
+        magnitudes = [None if _is_index(e, a) else s for a, s in zip(e.invars, ins, strict=True)]
+        degree = _degree(e, [0.0 if s is None else s.degree for s in magnitudes])
+        origin = next((s.origin for s in magnitudes if s is not None), e)
         scaling = Scaling(degree, origin) if degree else None
     return [scaling] * n
 
@@ -366,6 +367,18 @@ def is_float(var: Any) -> bool:
 
 def _is_int(var: Any) -> bool:
     return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.integer))
+
+
+def _is_index(e: Any, operand: Any) -> bool:
+    """Whether ``operand`` of ``e`` is an index or a count that places its float results (a
+    gather's indices, ``ragged_dot``'s group sizes, a dynamic slice's start) rather than scales
+    them: an integer operand of an equation with float results that does not convert it."""
+    return (
+        not compat.is_literal(operand)
+        and (_is_int(operand) or operand.aval.dtype == jnp.bool_)
+        and e.primitive.name != "convert_element_type"
+        and any(is_float(v) for v in e.outvars)
+    )
 
 
 def _degree(e: Any, degrees: list[float]) -> float:

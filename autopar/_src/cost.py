@@ -1,6 +1,6 @@
 """Per-equation cost estimates used to balance layers.
 
-Only heavy operations (``dot_general``, convolutions) count towards the FLOP
+Only heavy operations (``dot_general``, ``ragged_dot``, convolutions) count towards the FLOP
 balance, as in Alpa's layer clustering; nested jaxprs (custom_jvp, remat, scan,
 cond, while) are walked, a ``scan`` body counted ``length`` times.
 """
@@ -56,6 +56,15 @@ def eqn_flops_by_dtype(eqn: Any) -> dict[str, float]:
         lhs_shape = eqn.invars[0].aval.shape
         k = _prod(lhs_shape[d] for d in lhs_contract)
         return {str(eqn.invars[0].aval.dtype): 2.0 * _prod(eqn.outvars[0].aval.shape) * k}
+    if name == "ragged_dot_general":  # each row meets one group's weights
+        dims = eqn.params["ragged_dot_dimension_numbers"]
+        (lhs_contract, _), _ = dims.dot_dimension_numbers
+        lhs_shape = eqn.invars[0].aval.shape
+        k = _prod(lhs_shape[d] for d in lhs_contract)
+        out = _prod(eqn.outvars[0].aval.shape)
+        if any(d in lhs_contract for d in dims.lhs_ragged_dimensions):  # out leads with the groups
+            out //= max(int(eqn.outvars[0].aval.shape[0]), 1)
+        return {str(eqn.invars[0].aval.dtype): 2.0 * out * k}
     if name == "conv_general_dilated":
         rhs_shape = eqn.invars[1].aval.shape
         dn = eqn.params["dimension_numbers"]

@@ -176,6 +176,37 @@ def _dot_general(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     return _from_pieces(eqn, mesh, pieces, plans, flops=cost.eqn_flops(eqn), weight=1)
 
 
+def _ragged_dot(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
+    """``lax.ragged_dot`` (a dropless mixture of experts' grouped matmul) and its derivatives.
+
+    The rows of a group are contiguous (``group_sizes`` counts them), so the ragged dim stays
+    whole outside a contraction; the other free dims split as Megatron's columns, and a
+    contraction (over the features, or over the ragged rows in the weight gradient, whose
+    output leads with the groups) leaves partial sums.
+    """
+    dims = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = dims.dot_dimension_numbers
+    ragged, groups = tuple(dims.lhs_ragged_dimensions), tuple(dims.rhs_group_dimensions)
+    lrank, rrank = len(shape_of(eqn.invars[0])), len(shape_of(eqn.invars[1]))
+    lfree = [d for d in range(lrank) if d not in (*lc, *lb)]
+    rfree = [d for d in range(rrank) if d not in (*rc, *rb, *groups)]
+    lead = 1 if any(d in lc for d in ragged) else 0  # the weight gradient's groups
+    if lead + len(lb) + len(lfree) + len(rfree) != len(shape_of(eqn.outvars[0])):
+        return replicated_strategies(eqn, mesh)
+    out_rank = len(shape_of(eqn.outvars[0]))
+    pieces: dict[str, _Piece] = {}
+    if rfree:
+        pieces["column"] = _Piece(((1, rfree[-1]),), out_rank - 1)
+    kept = [d for d in lfree if d not in ragged]
+    if kept:
+        pieces["lhs_column"] = _Piece(((0, kept[-1]),), lead + len(lb) + lfree.index(kept[-1]))
+    if lc:
+        pieces["row_allreduce"] = _Piece(((0, lc[0]), (1, rc[0])), None, "allreduce")
+        pieces["row_reducescatter"] = _Piece(((0, lc[0]), (1, rc[0])), out_rank - 1, "reducescatter")
+    plans = _standard_plans(mesh, "batch", ("column", "lhs_column", *ROW), ROW)
+    return _from_pieces(eqn, mesh, pieces, plans, flops=cost.eqn_flops(eqn), weight=1)
+
+
 def _conv(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     dn, p = eqn.params["dimension_numbers"], eqn.params
     pieces: dict[str, _Piece] = {}
@@ -318,7 +349,8 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
     """Candidate strategies of one jaxpr equation on ``mesh``, in a fixed order, replicated first.
 
     Covers ``dot_general`` (batch, Megatron column and row splits, 2-D combinations),
-    ``conv_general_dilated`` (batch, output-channel and input-channel splits), elementwise primitives,
+    ``ragged_dot_general`` (column and row splits), ``conv_general_dilated`` (batch,
+    output-channel and input-channel splits), elementwise primitives,
     reductions, dim-moving primitives (reshape, transpose, broadcast, squeeze, slices, ...),
     those that work along one dim (concatenate, stack, split, sort, top-k),
     pooling (``reduce_window_*`` and its derivatives, split where the windows leave a dim alone),
@@ -337,6 +369,8 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         result = _dot_general(eqn, mesh)
     elif name == "conv_general_dilated":
         result = _conv(eqn, mesh)
+    elif name == "ragged_dot_general":
+        result = _ragged_dot(eqn, mesh)
     elif name == "gather":
         result = _gather(eqn, mesh)
     elif name in ("scatter-add", "scatter_add"):
