@@ -132,6 +132,9 @@ def _stacked(total):
                 (0, jax.lax.stop_gradient(losses), 0.0),
             )[2]
         ),
+        # A gather with the rows' indices: jnp's index wrapping adds the batch size to them,
+        # but an index places the loss's terms, it does not scale them.
+        lambda losses, y: jnp.stack([losses, -losses])[y % 1, jnp.arange(y.shape[0])].mean(),
     ],
     ids=[
         "sum-over-size",
@@ -146,6 +149,7 @@ def _stacked(total):
         "running-mean",
         "rows-where",
         "fixed-while",
+        "gathered-rows",
     ],
 )
 def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
@@ -234,6 +238,17 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
             },
             r"Aux output 0 .* reduced over the examples by",
         ),
+        # Every example paired with every other (in-batch negatives): no microbatch sees them.
+        (
+            lambda losses, y: jax.nn.logsumexp(losses[:, None] - losses[None, :], axis=1).mean(),
+            None,
+            r"The loss \(float32\[\]\) pairs the examples with each other: at .*test_region_outputs.* sub",
+        ),
+        (
+            None,
+            lambda logits, y: {"contrast": jax.jit(lambda z: jax.nn.log_softmax(z @ z.T).mean())(logits)},
+            r"Aux output 0 .* pairs the examples with each other: at .*test_region_outputs.*dot_general",
+        ),
     ],
     ids=[
         "loss-sum",
@@ -253,6 +268,8 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
         "aux-batch-size",
         "aux-lax-reduce-max",
         "aux-row-max",
+        "loss-pairs",
+        "aux-pairs-in-jit",
     ],
 )
 def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):

@@ -262,6 +262,7 @@ def require_combinable(
     means: set[Any] = set()  # averaged outputs that are means, batch-size literals and all
     if twin:
         loss = {} if compat.is_literal(rj.outvars[0]) else {rj.outvars[0]: 0}
+        _refuse_pairs(rj, twin, {**loss, **combined}, nmb)
         means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
@@ -328,6 +329,45 @@ def _require_means(
             f"(jnp.mean rather than jnp.sum), return one value per example, {fix}"
         )
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
+
+
+def _refuse_pairs(rj: Any, twin: Mapping[int, Any], averaged: Mapping[Any, int], nmb: int) -> None:
+    """Raises if the loss or an averaged aux output is made from a float value that pairs the
+    examples with each other (``img @ txt.T``, ``x[:, None] - x[None]``: two dims per example,
+    where each of the equation's operands has at most one), as a contrastive loss's in-batch
+    negatives do: each microbatch would pair only its own examples."""
+    for rv, i in averaged.items():
+        for e in reversed(_slice(rj.eqns, {rv})):  # _slice lists them last first
+            other = twin.get(id(e))
+            if other is None or not any(batch_scaling.is_float(v) for v in e.outvars):
+                continue
+            operands = [
+                _per_example_dims(a, b, nmb)
+                for a, b in zip(e.invars, other.invars, strict=True)
+                if not compat.is_literal(a)
+            ]
+            made = max(
+                (_per_example_dims(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)),
+                default=0,
+            )
+            if made >= 2 and max(operands, default=0) < 2:
+                what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
+                raise ValueError(
+                    f"{what} ({rv.aval.str_short()}) pairs the examples with each other: at "
+                    f"{compat.source_line(e)} ({str(e).splitlines()[0]!r}) every example meets "
+                    "every other, as a contrastive loss's in-batch negatives do. With "
+                    f"num_microbatches={nmb} each microbatch would pair only its own examples, so "
+                    "neither the loss nor its gradients would be the whole batch's. Use "
+                    "num_microbatches=1."
+                )
+
+
+def _per_example_dims(v: Any, w: Any, nmb: int) -> int:
+    """How many dims of ``v`` are ``nmb`` times longer in ``w``, its whole batch's twin."""
+    a, b = getattr(v.aval, "shape", ()), getattr(w.aval, "shape", ())
+    if len(a) != len(b):
+        return 0
+    return sum(1 for x, y in zip(a, b, strict=True) if x != y and x * nmb == y)
 
 
 def _value(literal: Any) -> Any:
