@@ -11,6 +11,7 @@
   masked subset of the weights, and keeps an exponential moving average of the parameters.
 - A dropless mixture of experts in MaxText's style: tokens sorted by expert, counted with
   ``bincount`` and multiplied by their experts' weights with ``lax.ragged_dot``.
+- Sharpness-aware minimization: a gradient at weights moved along another gradient.
 - An NNX model: convolutions with BatchNorm and dropout in an ``nnx.List``, multi-head
   attention over the pixels, a forward-call counter in an ``nnx.Variable``; a functional step
   over the split model and its ``nnx.Optimizer``.
@@ -343,3 +344,42 @@ def test_a_dropless_mixture_of_experts_splits_its_experts_weights_as_megatron_do
     ]
     assert len(ops) == 6  # forward, and the gradients of the rows and of the weights
     assert all(chosen.strategies[op.outs[0]] != "replicated" for op in ops)
+
+
+class Regressor(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(4):
+            x = jnp.tanh(nn.Dense(D)(x))
+        return nn.Dense(1)(x)[:, 0]
+
+
+@pytest.mark.parametrize("first", ["autopar", "jax"])
+def test_sharpness_aware_minimization_pipelines_its_second_gradient(first):
+    """SAM's step takes two gradients, the second at weights moved along the first. autopar
+    pipelines one: two are an error naming the way out, which is to take the first with
+    ``jax.grad``; it then runs outside the pipeline on the whole batch, equal to ``jax.jit``."""
+    net = Regressor()
+    params = net.init(jax.random.key(0), jnp.ones((8, 4)))["params"]
+
+    def mse(params, batch):
+        return jnp.mean((net.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    def step(params, batch):
+        ascent = (autopar.grad if first == "autopar" else jax.grad)(mse)(params, batch)
+        scale = 0.05 / optax.tree.norm(ascent)
+        moved = jax.tree.map(lambda p, g: p + scale * g, params, ascent)
+        loss, grads = autopar.value_and_grad(lambda p: mse(p, batch))(moved)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    rng = np.random.default_rng(4)
+    batches = [
+        {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.normal(size=8).astype(np.float32)}
+        for _ in range(3)
+    ]
+    if first == "autopar":
+        with pytest.raises(ValueError, match=r"2 times.*sharpness-aware.*jax\.grad"):
+            autopar.autoparallel(step, num_stages=2)(params, batches[0])
+        return
+    par = assert_same_as_jit(step, params, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    assert len(par.plan(params, batches[0]).stages) == 2

@@ -302,7 +302,9 @@ class TracedStep:
             raise ValueError(
                 f"The step calls autopar.value_and_grad/grad {len(found)} times; autopar "
                 "pipelines exactly one gradient computation per step. Combine the losses "
-                "into one loss function."
+                "into one loss function, or, where one gradient needs another (sharpness-aware "
+                "minimization, a GAN's two players), take the others with jax.grad: they run "
+                "outside the pipeline, on the whole batch (num_microbatches=1)."
             )
         return found[0] if found else None
 
