@@ -238,6 +238,20 @@ class AutoParallel:
         """The plan for these arguments, without running the step."""
         return self._executable(self._positional(args, kwargs)).plan
 
+    def input_shardings(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        """Where the step takes each argument leaf, without running it: a tuple of the arguments'
+        pytrees (by position) holding, per leaf, the ``NamedSharding`` it is placed with on the
+        first stage that reads it, or None for a leaf split into microbatches (the batch) or
+        read by no stage. The arguments may be ``jax.ShapeDtypeStruct``s.
+
+        A state the step returned is already there. Restoring a checkpoint onto these
+        shardings (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` as the target) puts
+        every leaf on its stage's devices directly, rather than on one device first.
+        """
+        positional = self._positional(args, kwargs)
+        leaves, in_tree = jax.tree.flatten(positional)
+        return tuple(jax.tree.unflatten(in_tree, self._lookup(leaves, in_tree).input_shardings()))
+
     def executable(self, *args: Any, **kwargs: Any) -> driver.Executable:
         """The compiled program for these arguments (for inspection)."""
         return self._executable(self._positional(args, kwargs))

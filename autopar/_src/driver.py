@@ -280,6 +280,15 @@ class Executable:
             env.update(zip([loc for loc, _, _ in direct], placed, strict=True))
         return env
 
+    def input_shardings(self) -> list[NamedSharding | None]:
+        """Per argument leaf, its sharding on the first stage that reads it whole; None for a
+        leaf split into microbatches or read by no stage."""
+        found: list[NamedSharding | None] = [None] * len(self.step.arg_vars)
+        for _, i, target in sorted(self._whole_inputs, key=lambda t: t[0][1]):
+            if found[i] is None:
+                found[i] = target
+        return found
+
     def _whole(self, key: Key) -> bool:
         """Whether input ``key`` is an argument leaf passed whole (not split into microbatches)."""
         return key[0] not in self._consts and (key[1] is None or self.plan.num_microbatches == 1)
