@@ -63,3 +63,18 @@ def nnx_classifier(model, tx):
         return nnx.state((model, optimizer)), loss
 
     return step, state
+
+
+def classifier_step(inputs: str, labels: str):
+    """A ``TrainState`` step minimising the mean cross-entropy of ``state.apply_fn`` on
+    ``batch[inputs]`` against the integer labels ``batch[labels]``."""
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch[inputs])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[labels]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step

@@ -8,9 +8,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
+from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit, classifier_step
 from flax.training import train_state
 
 import autopar
@@ -235,13 +234,7 @@ class _ConvNet(nn.Module):
         return nn.Dense(10, name="head")(x.mean(axis=(1, 2)))
 
 
-def _classifier_step(state, batch):
-    def loss_fn(p):
-        logits = state.apply_fn({"params": p}, batch["inputs"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-
-    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+_classifier_step = classifier_step("inputs", "labels")
 
 
 def _classifier(model, optimizer, input_shape, classes, num_batches):

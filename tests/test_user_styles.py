@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from equality import TOLERANCES, assert_same_as_jit, nnx_classifier
+from equality import TOLERANCES, assert_same_as_jit, classifier_step, nnx_classifier
 from flax import nnx
 from flax.training import train_state
 
@@ -298,15 +298,7 @@ def _dropless(hidden: int, layers: int, batch: int):
     net = DroplessLM(hidden, layers)
     params = net.init(jax.random.key(0), jnp.zeros((batch, TOKENS), jnp.int32))["params"]
     state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=optax.sgd(0.1))
-
-    def step(state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch["ids"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-
-        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
+    step = classifier_step("ids", "labels")
     rng = np.random.default_rng(3)
     batches = [
         {name: rng.integers(0, VOCAB, (batch, TOKENS)).astype(np.int32) for name in ("ids", "labels")}
