@@ -11,6 +11,8 @@
   masked subset of the weights, and keeps an exponential moving average of the parameters.
 - A dropless mixture of experts in MaxText's style: tokens sorted by expert, counted with
   ``bincount`` and multiplied by their experts' weights with ``lax.ragged_dot``.
+- An NNX step written for ``nnx.jit``: it updates the model, its optimizer and its metrics in
+  place and returns the loss.
 - Sharpness-aware minimization: a gradient at weights moved along another gradient.
 - An NNX model: convolutions with BatchNorm and dropout in an ``nnx.List``, multi-head
   attention over the pixels, a forward-call counter in an ``nnx.Variable``; a functional step
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from equality import TOLERANCES, assert_same_as_jit, classifier_step, nnx_classifier
+from equality import TOLERANCES, as_numpy, assert_same_as_jit, classifier_step, nnx_classifier
 from flax import nnx
 from flax.training import train_state
 
@@ -375,3 +377,95 @@ def test_sharpness_aware_minimization_pipelines_its_second_gradient(first):
         return
     par = assert_same_as_jit(step, params, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
     assert len(par.plan(params, batches[0]).stages) == 2
+
+
+class GraphNet(nnx.Module):
+    """With ``exact``: no BatchNorm and no dropout, so equal to ``nnx.jit`` with microbatches."""
+
+    def __init__(self, rngs: nnx.Rngs, exact: bool):
+        # No bias before BatchNorm: its gradient is rounding noise, which Adam would amplify.
+        self.l1 = nnx.Linear(8, 32, use_bias=False, rngs=rngs)
+        self.norm = nnx.LayerNorm(32, rngs=rngs) if exact else nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.0 if exact else 0.2, rngs=rngs)
+        self.l2 = nnx.Linear(32, 32, rngs=rngs)
+        self.l3 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.drop(nnx.relu(self.norm(self.l1(x))))
+        return self.l3(nnx.relu(self.l2(h)))
+
+
+def nnx_train_step(model, optimizer, metrics, batch):
+    def loss_fn(model):
+        logits = model(batch["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), logits
+
+    (loss, logits), grads = autopar.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    metrics.update(loss=loss, logits=logits, labels=batch["y"])
+    return loss
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_an_nnx_step_that_updates_its_objects_in_place_equals_nnx_jit(num_microbatches):
+    """As under ``nnx.jit``, the model's parameters, BatchNorm statistics and dropout RNG, the
+    optimizer and the metrics passed to the step are updated in place."""
+
+    def objects():
+        model = GraphNet(nnx.Rngs(0, dropout=1), exact=num_microbatches > 1)
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-5), wrt=nnx.Param)
+        # Accuracy reads the per-example logits after the gradient: one microbatch's with more.
+        accuracy = {"accuracy": nnx.metrics.Accuracy()} if num_microbatches == 1 else {}
+        metrics = nnx.MultiMetric(**accuracy, loss=nnx.metrics.Average("loss"))
+        return model, optimizer, metrics
+
+    rng = np.random.default_rng(5)
+    batches = [
+        {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
+        for _ in range(3)
+    ]
+    par = autopar.autoparallel(
+        nnx_train_step, num_stages=2, num_microbatches=num_microbatches, batch_argnums=3
+    )
+    mine, theirs = objects(), objects()
+    start = jax.tree.map(np.asarray, nnx.state(mine[0], nnx.Param))
+    for batch in batches:
+        loss = par(*mine, batch)
+        loss_ref = nnx.jit(nnx_train_step)(*theirs, batch)
+        np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_ref), **TOLERANCES["adamw"])
+    for a, b in zip(jax.tree.leaves(nnx.state(mine)), jax.tree.leaves(nnx.state(theirs)), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["adamw"])
+    # The metrics' sums live where the stages made them: together on one device to compute.
+    nnx.update(mine[2], jax.device_get(nnx.state(mine[2])))
+    for name, value in theirs[2].compute().items():
+        np.testing.assert_allclose(mine[2].compute()[name], value, **TOLERANCES["adamw"])
+    moved = [
+        not np.allclose(a, b)
+        for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(nnx.state(mine[0], nnx.Param)), strict=True)
+    ]
+    assert all(moved)
+    assert len(par.plan(*mine, batches[0]).stages) == 2
+    # Where the step takes the model: as an nnx.State. Each parameter is already there, where
+    # the step left it (a scalar one stage makes and another reads, such as the dropout RNG's
+    # count, moves each step).
+    shardings = par.input_shardings(*mine, batches[0])
+    assert isinstance(shardings[0], nnx.State)
+    if num_microbatches > 1:  # split into microbatches, not placed whole
+        assert shardings[3] == {"x": None, "y": None}
+    params = jax.tree.leaves(nnx.state(mine[0], nnx.Param))
+    targets = jax.tree.leaves(nnx.filter_state(shardings[0], nnx.Param))
+    assert len(params) == len(targets) == 7
+    for param, target in zip(params, targets, strict=True):
+        assert param.sharding == target
+
+
+def test_an_nnx_object_named_as_the_batch_is_an_error():
+    model, batch = (
+        GraphNet(nnx.Rngs(0), exact=True),
+        {"x": np.ones((8, 8), np.float32), "y": np.zeros(8, np.int32)},
+    )
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    par = autopar.autoparallel(nnx_train_step, num_stages=2, batch_argnums=0)
+    with pytest.raises(ValueError, match=r"batch_argnums=\(0,\) names argument 0, an NNX object"):
+        par(model, optimizer, metrics, batch)

@@ -12,8 +12,9 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
+from flax import nnx
 
-from autopar._src import autoplan, build, compat, driver, schedule, trace
+from autopar._src import autoplan, build, compat, driver, nnx_support, schedule, trace
 from autopar._src.cluster import ClusterSpec, parse_cluster
 from autopar._src.plan import Plan
 
@@ -204,13 +205,48 @@ class AutoParallel:
         self.fn = fn
         self.options = options
         self._cache: dict[Any, driver.Executable] = {}
+        self._pure: dict[Any, AutoParallel] = {}
+        """Per NNX objects' positions and graph: the step as a pure function of their state."""
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
+        positional = self._positional(args, kwargs)
+        if nnx_support.object_positions(positional):
+            pure, pure_args, objs = self._functional(positional)
+            state, out = pure(*pure_args)
+            nnx.update(objs, state)
+            return out
+        leaves, in_tree = jax.tree.flatten(positional)
         exe = self._lookup(leaves, in_tree)
         with trace.outside_user_mesh():
             return jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves)))
+
+    def _functional(
+        self, positional: tuple[Any, ...]
+    ) -> tuple[AutoParallel, tuple[Any, ...], tuple[Any, ...]]:
+        """For a step that updates NNX objects among its arguments in place (as under
+        ``nnx.jit``): the wrapped pure step over their joint state
+        (:func:`nnx_support.functional_step`), its arguments, and the objects to update."""
+        positions = nnx_support.object_positions(positional)
+        objs = tuple(positional[i] for i in positions)
+        graphdef, state = nnx.split(objs)
+        key = (positions, graphdef)
+        pure = self._pure.get(key)
+        if pure is None:
+            options = dataclasses.replace(
+                self.options,
+                batch_argnums=nnx_support.moved_argnums(
+                    self.options.batch_argnums, positions, "batch_argnums"
+                ),
+                donate_argnums=nnx_support.moved_argnums(
+                    self.options.donate_argnums, positions, "donate_argnums"
+                ),
+            )
+            pure = self._pure[key] = AutoParallel(
+                nnx_support.functional_step(self.fn, positions, graphdef), options
+            )
+        others = tuple(x for i, x in enumerate(positional) if i not in positions)
+        return pure, (state, *others), objs
 
     def timed(self, *args: Any, **kwargs: Any) -> tuple[Any, dict[tuple[int, str], float]]:
         """Runs one step waiting for every task; returns the outputs and measured times.
@@ -221,7 +257,13 @@ class AutoParallel:
         1F1B); ready for ``plan.timeline(path, task_seconds=...)``. Waiting serialises the
         pipeline, so the step itself is slower than a normal call.
         """
-        leaves, in_tree = jax.tree.flatten(self._positional(args, kwargs))
+        positional = self._positional(args, kwargs)
+        if nnx_support.object_positions(positional):
+            pure, pure_args, objs = self._functional(positional)
+            (state, out), measured = pure.timed(*pure_args)
+            nnx.update(objs, state)
+            return out, measured
+        leaves, in_tree = jax.tree.flatten(positional)
         times: list[float] = []
         exe = self._lookup(leaves, in_tree)
         with trace.outside_user_mesh():
@@ -236,25 +278,35 @@ class AutoParallel:
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments, without running the step."""
-        return self._executable(self._positional(args, kwargs)).plan
+        return self.executable(*args, **kwargs).plan
 
     def input_shardings(self, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         """Where the step takes each argument leaf, without running it: a tuple of the arguments'
         pytrees (by position) holding, per leaf, the ``NamedSharding`` it is placed with on the
         first stage that reads it, or None for a leaf split into microbatches (the batch) or
-        read by no stage. The arguments may be ``jax.ShapeDtypeStruct``s.
+        read by no stage. The arguments may be ``jax.ShapeDtypeStruct``s. An NNX object's
+        entry is its ``nnx.State``, of shardings.
 
         A state the step returned is already there. Restoring a checkpoint onto these
         shardings (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` as the target) puts
         every leaf on its stage's devices directly, rather than on one device first.
         """
         positional = self._positional(args, kwargs)
+        positions = nnx_support.object_positions(positional)
+        if positions:  # the objects' shardings as their state (nnx.State) holds them
+            pure, pure_args, _ = self._functional(positional)
+            state, *others = pure.input_shardings(*pure_args)
+            return nnx_support.interleaved(state, others, positions)
         leaves, in_tree = jax.tree.flatten(positional)
         return tuple(jax.tree.unflatten(in_tree, self._lookup(leaves, in_tree).input_shardings()))
 
     def executable(self, *args: Any, **kwargs: Any) -> driver.Executable:
         """The compiled program for these arguments (for inspection)."""
-        return self._executable(self._positional(args, kwargs))
+        positional = self._positional(args, kwargs)
+        if nnx_support.object_positions(positional):
+            pure, pure_args, _ = self._functional(positional)
+            return pure.executable(*pure_args)
+        return self._executable(positional)
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The step's arguments by position (``batch_argnums`` and ``donate_argnums`` count

@@ -89,3 +89,56 @@ def call_value_and_grad(
     (value, (aux, updates)), grads = inner(pure, argnums, True, tuple(pure_args))
     nnx.update(objs, updates)
     return ((value, aux), grads) if has_aux else (value, grads)
+
+
+def object_positions(args: Sequence[Any]) -> tuple[int, ...]:
+    """Positions of the step's arguments that are NNX objects (a model, an ``nnx.Optimizer``)."""
+    return tuple(i for i, x in enumerate(args) if _is_nnx(x))
+
+
+def functional_step(fn: Callable[..., Any], positions: tuple[int, ...], graphdef: Any) -> Callable[..., Any]:
+    """``fn``, which updates its NNX object arguments (at ``positions``) in place, as
+    ``nnx.jit`` runs it: a pure function of the objects' joint state (argument 0) and the other
+    arguments, returning ``(the objects' new state, fn's outputs)``: the new state at the
+    input's pytree paths, so that the sharding search keeps each leaf where the next step
+    reads it (``intra_op.carried_state``)."""
+
+    def pure(state: Any, *others: Any) -> Any:
+        objs = nnx.merge(graphdef, state)
+        out = fn(*interleaved(objs, others, positions))
+        return nnx.state(objs), out
+
+    pure.__name__ = getattr(fn, "__name__", "step")
+    return pure
+
+
+def moved_argnums(argnums: tuple[int, ...], positions: tuple[int, ...], what: str) -> tuple[int, ...]:
+    """``argnums`` of the step as positions of :func:`functional_step`'s arguments (the objects'
+    state first, then the others in order); ``what`` names the option in errors.
+
+    Raises:
+      ValueError: for a batch argument that is an NNX object.
+    """
+    moved = []
+    for a in argnums:
+        if a in positions:
+            if what == "batch_argnums":
+                raise ValueError(
+                    f"batch_argnums={argnums!r} names argument {a}, an NNX object; the batch is split "
+                    "into microbatches along its leading dim, so it must be arrays. Name the "
+                    "argument that holds the batch."
+                )
+            moved.append(0)
+        else:
+            moved.append(1 + a - sum(1 for p in positions if p < a))
+    return tuple(dict.fromkeys(moved))
+
+
+def interleaved(objs: Any, others: Sequence[Any], positions: tuple[int, ...]) -> tuple[Any, ...]:
+    """The step's arguments again: ``objs[k]`` (the objects, or their state's entries) at
+    ``positions[k]``, ``others`` in order around them."""
+    rest = iter(others)
+    return tuple(
+        objs[positions.index(i)] if i in positions else next(rest)
+        for i in range(len(positions) + len(others))
+    )
