@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
+from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit, classifier_step
 from jax.sharding import NamedSharding, PartitionSpec
 
 import autopar
@@ -451,3 +451,28 @@ def test_a_data_parallel_mixture_of_experts_routes_and_dispatches_on_its_own_gro
     )
     kinds = {kind for kind, _ in _collectives(_hlo(par.executable(state, batches[0])))}
     assert kinds == {"all-reduce"}, kinds
+
+
+@pytest.mark.parametrize("state_first", [True, False])
+def test_the_new_state_is_tied_to_the_old_whichever_output_holds_it(state_first):
+    """``step -> (loss, state)`` carries its state as ``step -> (state, loss)`` does: each new
+    parameter and optimizer leaf is the next step's input, so the search keeps it where that
+    step reads it, and the step returns it there."""
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.adam(0.1))
+    batches = [train.make_batch("mlp", config, 16, seed=i) for i in range(2)]
+    step = classifier_step("x", "y")
+
+    def swapped(state, batch):
+        return step(state, batch)[::-1]
+
+    fn = step if state_first else swapped
+    par = autopar.autoparallel(fn, num_stages=2, num_microbatches=2, mesh_shape=(2, 2))
+    exe = par.executable(state, batches[0])
+    carried = intra_op.carried_state(exe.step)
+    assert len(carried) == len(jax.tree.leaves(state))
+    out = par(state, batches[0])
+    new_state = out[0] if state_first else out[1]
+    (targets, _) = par.input_shardings(state, batches[1])
+    for leaf, target in zip(jax.tree.leaves(new_state), jax.tree.leaves(targets), strict=True):
+        assert leaf.sharding == target

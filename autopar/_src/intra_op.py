@@ -319,12 +319,21 @@ def carried_state(step: TracedStep) -> dict[Any, Any]:
 
     An output at the same pytree path as an input (e.g. ``[0].params['w']`` of
     ``step(state, batch) -> (state, loss)``), with the same shape and dtype, is the next
-    value of that input.
+    value of that input. So is one at the same path below another position (``[1].params['w']``
+    of ``step(state, batch) -> (loss, state)``) where exactly one input has that path below
+    its own.
     """
-    by_path = dict(zip(step.input_paths(), step.arg_vars, strict=True))
+    in_paths = step.input_paths()
+    by_path = dict(zip(in_paths, step.arg_vars, strict=True))
+    by_inner: dict[str, list[Any]] = {}
+    for path, var in zip(in_paths, step.arg_vars, strict=True):
+        if _inner(path):
+            by_inner.setdefault(_inner(path), []).append(var)
     pairs = {}
     for path, out_var in zip(step.output_paths(), step.jaxpr.outvars, strict=True):
         in_var = by_path.get(path)
+        if in_var is None and len(by_inner.get(_inner(path), ())) == 1:
+            (in_var,) = by_inner[_inner(path)]
         if (
             in_var is not None
             and not compat.is_literal(out_var)
@@ -334,6 +343,12 @@ def carried_state(step: TracedStep) -> dict[Any, Any]:
         ):
             pairs[out_var] = in_var
     return pairs
+
+
+def _inner(path: str) -> str:
+    """A leaf's pytree path below the step's argument or output it is in (``.params['w']`` of
+    ``[1].params['w']``); empty for a whole argument."""
+    return path[path.index("]") + 1 :] if path.startswith("[") else path
 
 
 def solve_stages(
