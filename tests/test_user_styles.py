@@ -469,3 +469,19 @@ def test_an_nnx_object_named_as_the_batch_is_an_error():
     par = autopar.autoparallel(nnx_train_step, num_stages=2, batch_argnums=0)
     with pytest.raises(ValueError, match=r"batch_argnums=\(0,\) names argument 0, an NNX object"):
         par(model, optimizer, metrics, batch)
+
+
+def test_an_nnx_object_inside_another_argument_is_an_error():
+    """Flattened as a pytree, an object inside a dict would not be updated: no silent no-op."""
+    model = GraphNet(nnx.Rngs(0), exact=True)
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    batch = {"x": np.ones((8, 8), np.float32), "y": np.zeros(8, np.int32)}
+
+    def step(objects, batch):
+        return nnx_train_step(objects["model"], objects["optimizer"], objects["metrics"], batch)
+
+    par = autopar.autoparallel(step, num_stages=2)
+    objects = {"model": model, "optimizer": optimizer, "metrics": metrics}
+    with pytest.raises(ValueError, match=r"NNX object \(\w+\) at \[0\]\['\w+'\], inside another argument"):
+        par(objects, batch)

@@ -342,6 +342,7 @@ class AutoParallel:
         exe = self._cache.get(key)
         if exe is None:
             args = jax.tree.unflatten(in_tree, leaves)
+            nnx_support.require_no_nested_objects(args)
             with trace.outside_user_mesh():
                 exe = self._cache[key] = build.executable(self.fn, args, self.options)
         return exe

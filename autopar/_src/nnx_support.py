@@ -96,6 +96,23 @@ def object_positions(args: Sequence[Any]) -> tuple[int, ...]:
     return tuple(i for i, x in enumerate(args) if _is_nnx(x))
 
 
+def require_no_nested_objects(args: tuple[Any, ...]) -> None:
+    """Raises if an NNX object sits inside an argument (``step({"model": model}, batch)``):
+    flattened as a pytree, its updates in place would be lost.
+
+    Raises:
+      ValueError: naming the object's path.
+    """
+    for path, x in jax.tree_util.tree_flatten_with_path(args, is_leaf=_is_nnx)[0]:
+        if _is_nnx(x):
+            raise ValueError(
+                f"The step's arguments hold an NNX object ({type(x).__name__}) at "
+                f"{jax.tree_util.keystr(path)}, inside another argument, where its updates in place "
+                "would be lost. Pass each NNX object as an argument of its own (step(model, "
+                "optimizer, batch)), or pass nnx.state(...) and return the new state."
+            )
+
+
 def functional_step(fn: Callable[..., Any], positions: tuple[int, ...], graphdef: Any) -> Callable[..., Any]:
     """``fn``, which updates its NNX object arguments (at ``positions``) in place, as
     ``nnx.jit`` runs it: a pure function of the objects' joint state (argument 0) and the other
