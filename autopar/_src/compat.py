@@ -303,6 +303,18 @@ def register_identity_rules(
     mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))
 
 
+def register_constant_of_shape_rules(prim: Primitive) -> None:
+    """Registers JVP (a zero tangent) and batching (the batched operand's dims) for ``prim``,
+    one result in its one operand's shape that does not depend on its values."""
+
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> tuple[Any, Any]:
+        out = prim.bind(*primals, **params)
+        return out, jax.numpy.zeros_like(out)
+
+    ad.primitive_jvps[prim] = jvp
+    batching.primitive_batchers[prim] = lambda args, dims, **params: (prim.bind(*args, **params), dims[0])
+
+
 def register_batching_from_fun(prim: Primitive, fun: Callable[..., Any]) -> None:
     """Batches ``prim`` (with multiple results) by ``jax.vmap`` of the Python function ``fun``,
     which computes it from its operands and params: under ``vmap`` the primitive is replaced by

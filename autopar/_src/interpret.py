@@ -33,8 +33,7 @@ def _acc(op: Op, vals: list[Any], stacked: deferred.Stacked | None, mesh: Mesh |
     if op.mode == "mean":
         return deferred.finish(vals[0], stacked) / op.divisor
     if op.mode == "concat":
-        joined = jnp.concatenate(vals, axis=op.axis)
-        return joined if op.divisor == 1 else joined / op.divisor
+        return jnp.concatenate(vals, axis=op.axis)
     return vals[0]
 
 

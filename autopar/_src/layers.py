@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from autopar._src import clustering, compat, cond_split, cost, user_constraints
@@ -43,6 +44,31 @@ def _boundary_transpose(cts: Sequence[Any], *args: Any, index: int, kind: str):
 
 
 compat.register_identity_rules(boundary_p, _boundary_jvp, _boundary_transpose)
+
+
+cotangent_seed_p = compat.Primitive("autopar_cotangent_seed")
+"""The cotangent the backward starts from: ``scale`` in the loss's shape and dtype. ``scale`` is
+1 as traced; the program of a step with ``m`` microbatches sets it to ``1 / m`` (see
+:func:`with_seed_scale`), so every cotangent of a microbatch's backward is the one ``jax.jit``
+computes for its examples from the whole batch's mean, and the gradients add up over the
+microbatches. A cotangent is then the same however the batch is cut, also where the backward is
+not linear in it (a ``custom_vjp`` that clips it)."""
+cotangent_seed_p.def_abstract_eval(lambda x, *, scale: x.update(weak_type=False))
+cotangent_seed_p.def_impl(lambda x, *, scale: jnp.full_like(x, scale))
+compat.register_lowering_from_fun(cotangent_seed_p, lambda x, *, scale: jnp.full_like(x, scale))
+compat.register_constant_of_shape_rules(cotangent_seed_p)
+
+
+def cotangent_seed(value: Any) -> Any:
+    """The backward's starting cotangent for the loss ``value`` (ones, until scaled)."""
+    return cotangent_seed_p.bind(value, scale=1.0)
+
+
+def with_seed_scale(eqn: Any, scale: float) -> Any:
+    """``eqn``, with its seed scaled to ``scale`` if it is the backward's :data:`cotangent_seed_p`."""
+    if eqn.primitive is not cotangent_seed_p or scale == 1.0:
+        return eqn
+    return eqn.replace(params={**eqn.params, "scale": scale})
 
 
 def is_boundary(eqn: Any) -> bool:

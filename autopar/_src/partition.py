@@ -153,6 +153,7 @@ def build_program(
     stage_ops: dict[tuple[int, str], list[Any]] = {}  # (stage, pass) -> the region's equations
     # (stage, pass) -> (the region values it adds up, region output or part) to accumulate
     acc_specs: dict[tuple[int, str], list[tuple[tuple[Any, ...], Any]]] = {}
+    gradients: set[Any] = set()  # accumulated sums that are the gradients themselves
     joined: dict[Any, region_outputs.Joined] = {}  # per-example region outputs: their whole-batch value
     splits: dict[Any, region_outputs.SplitSum] = {}  # region outputs added up once per step
     made_in: dict[Any, tuple[int, str]] = {}  # region values: the (stage, pass) that makes them
@@ -179,7 +180,7 @@ def build_program(
 
         placement = region_eqn_placement(rj, plan.layer_to_stage())
         for eqn, where in zip(rj.eqns, placement, strict=True):
-            stage_ops.setdefault(where, []).append(eqn)
+            stage_ops.setdefault(where, []).append(layers.with_seed_scale(eqn, 1.0 / nmb))
             for v in _eqn_outvars(eqn):
                 made_in[v] = where
             for a in _eqn_invars(eqn):
@@ -195,13 +196,17 @@ def build_program(
         splits = region_outputs.split_sums(rj, pairs, made_in) if nmb > 1 else {}
         hoisted = {id(e) for split in splits.values() for e in split.adds}
         stage_ops = {where: [e for e in ops if id(e) not in hoisted] for where, ops in stage_ops.items()}
-        for rv, ov in zip(rj.outvars, region.outvars, strict=True):
+        for i, (rv, ov) in enumerate(zip(rj.outvars, region.outvars, strict=True)):
             if compat.is_dropvar(ov):
                 continue
             where = made_in.get(rv, last_fwd) if _is_var(rv) else last_fwd
+            if i > info.num_aux:
+                gradients.add(ov)
             if ov in splits:  # each part summed where it is made, added once per step
                 for values, acc in splits[ov].parts:
                     acc_specs.setdefault(made_in[values[0]], []).append((values, acc))
+                    if i > info.num_aux:
+                        gradients.add(acc)
                 producer_stage[ov] = where[0]
                 continue
             acc_specs.setdefault(where, []).append(((rv,), ov))
@@ -245,7 +250,7 @@ def build_program(
         for ov, st in producer_stage.items()
         if region_at is not None and ov in set(eqns[region_at].outvars)
     }
-    for ov, split in splits.items():  # after the parts' means, on the stage of the last addition
+    for ov, split in splits.items():  # after the parts' finished sums, on the stage of the last addition
         st = producer_stage[ov]
         lv = max(int(made_in[values[0]][0] != st) for values, _ in split.parts)
         made_by[ov] = (lv, st)
@@ -273,7 +278,7 @@ def build_program(
     post_groups: dict[tuple[int, int], list[Op]] = {}
     for where, specs in acc_specs.items():
         for _, ov in specs:
-            start, finish = region_outputs.accumulator_ends(ov, nmb, joined.get(ov))
+            start, finish = region_outputs.accumulator_ends(ov, nmb, joined.get(ov), gradient=ov in gradients)
             pre_groups.setdefault((0, where[0]), []).extend(start)
             post_groups.setdefault((0, where[0]), []).extend(finish)
     for ov, split in splits.items():

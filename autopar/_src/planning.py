@@ -220,14 +220,28 @@ def _require_batch_free_once_per_step(
     for k, eqn in enumerate(mine):
         other = theirs[k] if k < len(theirs) else None
         if other is None or str(eqn) != str(other):
+            cause, fix = (
+                (
+                    "it draws random values in the batch's shape (e.g. a diffusion loss's noise), "
+                    "which is one microbatch's there",
+                    "Draw them with the data and pass them in the batch (then equal to jax.jit), "
+                    "draw them inside the loss function (each microbatch draws its own), or use "
+                    "num_microbatches=1.",
+                )
+                if eqn.primitive.name == "random_bits"
+                else (
+                    "it reads the batch's shape (e.g. x.shape[0]), which is one microbatch's there, "
+                    "or a value Python makes while tracing",
+                    "Read it inside the loss function and return what needs it as aux, pass it to "
+                    "the step as an argument, or use num_microbatches=1.",
+                )
+            )
             raise ValueError(
                 f"The step's code outside the loss function differs between one microbatch and the "
                 f"whole batch (at {compat.source_line(eqn)}: {str(eqn).splitlines()[0]!r} for one of "
                 f"num_microbatches={num_microbatches}, "
                 f"{'nothing' if other is None else repr(str(other).splitlines()[0])} for the batch): "
-                "it reads the batch's shape (e.g. x.shape[0]), which is one microbatch's there, or a "
-                "value Python makes while tracing. Read it inside the loss function and return what "
-                "needs it as aux, pass it to the step as an argument, or use num_microbatches=1."
+                f"{cause}. {fix}"
             )
     if len(theirs) > len(mine):
         raise ValueError(

@@ -33,7 +33,8 @@ class Op:
     values, pass a value on, divide the sum, join the microbatches' values of a per-example
     output, or make each microbatch's PRNG key."""
     divisor: int = 1
-    """For ``acc`` in mode ``mean`` (or ``concat``): the number of microbatches to average over."""
+    """For ``acc`` in mode ``mean``: the number of microbatches to average over (1 for a
+    gradient, whose microbatches' values add up to it)."""
     axis: int = 0
     """For ``acc`` in mode ``concat``: the batch dim to join along."""
     key_impl: str = ""

@@ -31,8 +31,6 @@ class Joined:
 
     var: Any
     axis: int
-    divisor: int
-    """1 for an aux output; the number of microbatches for a gradient (a mean over them)."""
 
 
 def named(index: int, num_aux: int) -> str:
@@ -71,13 +69,16 @@ def joined_outputs(step: TracedStep, per_example: Mapping[int, int], nmb: int) -
         shape = list(ov.aval.shape)
         shape[axis] *= nmb
         var = compat.Var(ov.aval.update(shape=tuple(shape)))
-        joined[ov] = Joined(var=var, axis=axis, divisor=1 if i <= num_aux else nmb)
+        joined[ov] = Joined(var=var, axis=axis)
     return joined
 
 
-def accumulator_ends(ov: Any, nmb: int, joined: Joined | None = None) -> tuple[list[Op], list[Op]]:
+def accumulator_ends(
+    ov: Any, nmb: int, joined: Joined | None = None, *, gradient: bool = False
+) -> tuple[list[Op], list[Op]]:
     """Once-per-step ops that start (zeros) and finish (mean, or concatenation for a per-example
-    output) a region output's sum."""
+    output) a region output's sum. A ``gradient``'s sum is its value: each microbatch's backward
+    starts from ``1 / nmb`` (:data:`~autopar._src.layers.cotangent_seed_p`)."""
     if nmb == 1:
         return [], []
     if joined is not None:
@@ -88,7 +89,6 @@ def accumulator_ends(ov: Any, nmb: int, joined: Joined | None = None) -> tuple[l
             ins=parts,
             outs=((joined.var, None),),
             axis=joined.axis,
-            divisor=joined.divisor,
         )
         return [], [concat]
     last = (ov, ("acc", nmb - 1))
@@ -96,7 +96,8 @@ def accumulator_ends(ov: Any, nmb: int, joined: Joined | None = None) -> tuple[l
         # The first microbatch's: it reads the step's PRNG keys unfolded (microbatch_keys).
         return [], [Op(kind="acc", mode="copy", ins=((ov, ("acc", 0)),), outs=((ov, None),))]
     start = Op(kind="acc", mode="zeros", ins=(), outs=((ov, ("acc", -1)),), aval=ov.aval)
-    return [start], [Op(kind="acc", mode="mean", ins=(last,), outs=((ov, None),), divisor=nmb)]
+    finish = Op(kind="acc", mode="mean", ins=(last,), outs=((ov, None),), divisor=1 if gradient else nmb)
+    return [start], [finish]
 
 
 def accumulate(
@@ -120,8 +121,9 @@ def accumulate(
 class SplitSum:
     """A float region output that adds up values made in different tasks (the gradient of a
     weight tied across stages). The sum is linear, so each task keeps a running sum of its own
-    values over the microbatches and the tasks' means are added once per step: nothing crosses
-    stages per microbatch, and each running sum is a gradient the driver may defer."""
+    values over the microbatches and the tasks' finished sums (means, for aux outputs) are added
+    once per step: nothing crosses stages per microbatch, and each running sum is a gradient the
+    driver may defer."""
 
     output: Any
     """The region output (an outer variable)."""
@@ -132,7 +134,7 @@ class SplitSum:
     """The additions of the values, which no microbatch runs."""
 
     def combine(self) -> Op:
-        """The once-per-step op that adds the parts' means into the output."""
+        """The once-per-step op that adds the parts' finished sums into the output."""
         return Op(
             kind="acc",
             mode="sum",

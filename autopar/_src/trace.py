@@ -162,7 +162,8 @@ def _region_value_and_grad(
             outs = layers.eval_with_boundaries(flat_jaxpr, [], [*consts_and_outer, *d], cuts)
             return outs[0], outs[1:]
 
-        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(diff)
+        value, pullback, aux = jax.vjp(loss, diff, has_aux=True)
+        (grads,) = pullback(layers.cotangent_seed(value))
         return [value, *aux, *grads]
 
     inputs = [*flat_consts, *outer_consts]

@@ -1,0 +1,342 @@
+"""More models written the way users write them, each over two stages and two microbatches
+against ``jax.jit``.
+
+- A diffusion U-Net: GroupNorm, SiLU, ``avg_pool`` down and ``ConvTranspose`` up, skip
+  connections concatenated across the stages, a sinusoidal timestep embedding read by every
+  block, and the noised input made outside the loss from a table gathered by timestep.
+- LoRA: frozen kernels behind ``stop_gradient`` with trainable low-rank adapters, and an
+  ``optax.multi_transform`` that freezes everything else.
+- An encoder-decoder: rotary self-attention, cross-attention to the encoder's output on every
+  decoder block, a padding mask, RMSNorm, a tied output embedding and label smoothing.
+- A linear recurrence by ``lax.associative_scan`` whose output clips its gradient in a
+  ``custom_vjp`` (not linear in the cotangent).
+- A ViT: a strided patch convolution, a class token and learned positions, Flax's
+  ``MultiHeadDotProductAttention``, and a per-example flip by ``lax.map`` before the loss.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from equality import TOLERANCES, assert_same_as_jit, classifier_step
+from flax.training import train_state
+
+import autopar
+
+D = 32
+
+
+def _train(net, tx, *example):
+    params = net.init(jax.random.key(0), *example)["params"]
+    return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+
+
+def _check(step, state, batches, optimizer):
+    par = assert_same_as_jit(step, state, batches, TOLERANCES[optimizer], num_stages=2, num_microbatches=2)
+    assert len(par.plan(state, batches[0]).stages) == 2
+
+
+# --- a diffusion U-Net
+
+
+def _timestep_embedding(t, dim):
+    freqs = jnp.exp(-jnp.log(10000.0) * jnp.arange(dim // 2) / (dim // 2))
+    angles = t[:, None].astype(jnp.float32) * freqs[None]
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], -1)
+
+
+class ResBlock(nn.Module):
+    channels: int
+
+    @nn.compact
+    def __call__(self, x, temb):
+        h = nn.Conv(self.channels, (3, 3))(jax.nn.silu(nn.GroupNorm(4)(x)))
+        h = h + nn.Dense(self.channels)(jax.nn.silu(temb))[:, None, None, :]
+        h = nn.Conv(self.channels, (3, 3))(jax.nn.silu(nn.GroupNorm(4)(h)))
+        if x.shape[-1] != self.channels:
+            x = nn.Conv(self.channels, (1, 1))(x)
+        return x + h
+
+
+class UNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, t):
+        temb = nn.Dense(D)(jax.nn.silu(nn.Dense(D)(_timestep_embedding(t, 16))))
+        h = nn.Conv(8, (3, 3))(x)
+        skips = []
+        for channels in (8, 16):
+            h = ResBlock(channels)(h, temb)
+            skips.append(h)
+            h = nn.avg_pool(h, (2, 2), (2, 2))
+        h = ResBlock(16)(h, temb)
+        for channels in (16, 8):
+            h = nn.ConvTranspose(channels, (2, 2), (2, 2))(h)
+            h = ResBlock(channels)(jnp.concatenate([h, skips.pop()], -1), temb)
+        return nn.Conv(x.shape[-1], (3, 3))(jax.nn.silu(nn.GroupNorm(4)(h)))
+
+
+ALPHAS = jnp.cumprod(1 - jnp.linspace(1e-4, 0.02, 100))
+
+
+def _denoising_step(draw_noise: bool):
+    net = UNet()
+
+    def step(state, batch):
+        x0, t = batch["image"], batch["t"]
+        noise = jax.random.normal(jax.random.key(7), x0.shape) if draw_noise else batch["noise"]
+        a = ALPHAS[t][:, None, None, None]
+        noisy = jnp.sqrt(a) * x0 + jnp.sqrt(1 - a) * noise
+
+        def loss_fn(p):
+            return jnp.mean((net.apply({"params": p}, noisy, t) - noise) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    state = _train(net, optax.adamw(1e-3, eps=1e-5), jnp.zeros((8, 8, 8, 3)), jnp.zeros((8,), jnp.int32))
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "image": rng.normal(size=(8, 8, 8, 3)).astype(np.float32),
+            "noise": rng.normal(size=(8, 8, 8, 3)).astype(np.float32),
+            "t": rng.integers(0, 100, 8).astype(np.int32),
+        }
+        for _ in range(3)
+    ]
+    return step, state, batches
+
+
+def test_a_diffusion_unet_with_the_noise_in_the_batch_equals_jit():
+    _check(*_denoising_step(draw_noise=False), "adamw")
+
+
+def test_a_diffusion_unet_drawing_batch_shaped_noise_outside_the_loss_is_an_error_naming_the_fixes():
+    """Drawn at one microbatch's shape, the noise would be another than ``jax.jit`` draws."""
+    step, state, batches = _denoising_step(draw_noise=True)
+    with pytest.raises(ValueError, match=r"draws random values in the batch's shape.*pass them in the batch"):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(state, batches[0])
+
+
+# --- LoRA
+
+
+class LoRADense(nn.Module):
+    features: int
+    rank: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+        a = self.param("lora_a", nn.initializers.normal(0.02), (x.shape[-1], self.rank))
+        b = self.param("lora_b", nn.initializers.normal(0.02), (self.rank, self.features))
+        return x @ jax.lax.stop_gradient(kernel) + (x @ a) @ b * 2.0
+
+
+class LoRANet(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(4):
+            x = x + jax.nn.gelu(LoRADense(D)(nn.LayerNorm()(x)))
+        return nn.Dense(10)(x)
+
+
+def test_lora_adapters_over_frozen_kernels_equal_jit():
+    net = LoRANet()
+    params = net.init(jax.random.key(0), jnp.zeros((8, D)))["params"]
+    trained = jax.tree_util.tree_map_with_path(
+        lambda path, _: "train" if "lora" in jax.tree_util.keystr(path) else "freeze", params
+    )
+    tx = optax.multi_transform({"train": optax.adamw(1e-2, eps=1e-5), "freeze": optax.set_to_zero()}, trained)
+    state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
+    rng = np.random.default_rng(1)
+    batches = [
+        {"x": rng.normal(size=(8, D)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
+        for _ in range(3)
+    ]
+    step = classifier_step("x", "y")
+    _check(step, state, batches, "adamw")
+    # The frozen kernels did not move.
+    after = autopar.autoparallel(step, num_stages=2, num_microbatches=2)(state, batches[0])[0]
+    np.testing.assert_array_equal(
+        after.params["LoRADense_0"]["kernel"], state.params["LoRADense_0"]["kernel"]
+    )
+
+
+# --- an encoder-decoder
+
+
+def _rotary(x):
+    t, d = x.shape[-3], x.shape[-1]
+    angles = jnp.arange(t)[:, None] / (10000 ** (jnp.arange(0, d, 2) / d))[None]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    even, odd = x[..., ::2], x[..., 1::2]
+    return jnp.stack([even * cos - odd * sin, even * sin + odd * cos], -1).reshape(x.shape)
+
+
+class Attention(nn.Module):
+    causal: bool = False
+
+    @nn.compact
+    def __call__(self, x, context=None, mask=None):
+        cross = context is not None
+        context = x if context is None else context
+        q = nn.DenseGeneral((2, 16))(x)
+        k = nn.DenseGeneral((2, 16))(context)
+        v = nn.DenseGeneral((2, 16))(context)
+        if not cross:
+            q, k = _rotary(q), _rotary(k)
+        w = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0
+        if self.causal:
+            w = jnp.where(jnp.tril(jnp.ones((x.shape[1], context.shape[1]), bool)), w, -1e9)
+        if mask is not None:
+            w = jnp.where(mask[:, None, None, :], w, -1e9)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(w, -1), v)
+        return nn.DenseGeneral(D, axis=(-2, -1))(out)
+
+
+class EncoderDecoder(nn.Module):
+    @nn.compact
+    def __call__(self, source, target):
+        embed = nn.Embed(64, D)
+        pad = source > 0
+
+        def mlp(h):
+            return nn.Dense(D)(jax.nn.relu(nn.Dense(2 * D)(nn.RMSNorm()(h))))
+
+        e = embed(source)
+        for _ in range(2):
+            e = e + Attention()(nn.RMSNorm()(e), mask=pad)
+            e = e + mlp(e)
+        e = nn.RMSNorm()(e)
+        d = embed(target)
+        for _ in range(2):
+            d = d + Attention(causal=True)(nn.RMSNorm()(d))
+            d = d + Attention()(nn.RMSNorm()(d), context=e, mask=pad)
+            d = d + mlp(d)
+        return embed.attend(nn.RMSNorm()(d))
+
+
+def test_an_encoder_decoder_with_cross_attention_equals_jit():
+    net = EncoderDecoder()
+    state = _train(net, optax.sgd(0.1), jnp.ones((8, 12), jnp.int32), jnp.ones((8, 10), jnp.int32))
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = net.apply({"params": p}, batch["source"], batch["target_in"])
+            labels = optax.smooth_labels(jax.nn.one_hot(batch["target_out"], 64), 0.1)
+            return optax.softmax_cross_entropy(logits, labels).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(2)
+
+    def batch():
+        source = rng.integers(1, 64, (8, 12)).astype(np.int32)
+        source[:, 9:] = 0  # padding
+        ids = {k: rng.integers(1, 64, (8, 10)).astype(np.int32) for k in ("target_in", "target_out")}
+        return {"source": source, **ids}
+
+    _check(step, state, [batch() for _ in range(3)], "sgd")
+
+
+# --- a linear recurrence that clips its gradient
+
+CLIP = 1e-3
+
+
+@jax.custom_vjp
+def clip_gradient(x):
+    return x
+
+
+clip_gradient.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -CLIP, CLIP),))
+
+
+class Recurrence(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        decay = jax.nn.sigmoid(nn.Dense(D)(x))
+        inputs = nn.Dense(D)(x) * (1 - decay)
+
+        def combine(earlier, later):
+            return earlier[0] * later[0], later[0] * earlier[1] + later[1]
+
+        _, h = jax.lax.associative_scan(combine, (decay, inputs), axis=1)
+        return clip_gradient(nn.Dense(D)(h))
+
+
+class RecurrentLM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(64, D)(ids)
+        for _ in range(4):
+            x = x + Recurrence()(nn.LayerNorm()(x))
+        return nn.Dense(64)(x)
+
+
+def test_a_gradient_clipping_custom_vjp_sees_the_cotangents_jit_sees():
+    """The clip is not linear in the cotangent: a microbatch's backward that started from 1
+    rather than ``1 / num_microbatches`` would clip cotangents twice as large, and the gradients
+    would differ from ``jax.jit``'s."""
+    state = _train(RecurrentLM(), optax.sgd(0.1), jnp.zeros((8, 16), jnp.int32))
+    rng = np.random.default_rng(3)
+    batches = [
+        {k: rng.integers(0, 64, (8, 16)).astype(np.int32) for k in ("ids", "labels")} for _ in range(3)
+    ]
+    step = classifier_step("ids", "labels")
+
+    def loss(params, batch):
+        logits = state.apply_fn({"params": params}, batch["ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+    # What averaging the microbatches' own gradients would give differs: the test is not of a no-op.
+    halves = [{k: v[i : i + 4] for k, v in batches[0].items()} for i in (0, 4)]
+    averaged = jax.tree.map(lambda a, b: (a + b) / 2, *(jax.grad(loss)(state.params, h) for h in halves))
+    whole = jax.grad(loss)(state.params, batches[0])
+    assert not all(jax.tree.leaves(jax.tree.map(lambda a, b: np.allclose(a, b, rtol=1e-3), averaged, whole)))
+    _check(step, state, batches, "sgd")
+
+
+# --- a ViT
+
+
+class ViT(nn.Module):
+    @nn.compact
+    def __call__(self, images):
+        x = nn.Conv(D, (4, 4), (4, 4))(images)
+        x = x.reshape(x.shape[0], -1, D)
+        cls = self.param("cls", nn.initializers.zeros, (1, 1, D))
+        x = jnp.concatenate([jnp.broadcast_to(cls, (x.shape[0], 1, D)), x], 1)
+        x = x + self.param("positions", nn.initializers.normal(0.02), (1, x.shape[1], D))
+        for _ in range(3):
+            x = x + nn.MultiHeadDotProductAttention(4)(nn.LayerNorm()(x))
+            x = x + nn.Dense(D)(jax.nn.gelu(nn.Dense(2 * D)(nn.LayerNorm()(x))))
+        return nn.Dense(10)(nn.LayerNorm()(x[:, 0]))
+
+
+def test_a_vit_with_a_per_example_flip_before_the_loss_equals_jit():
+    net = ViT()
+    state = _train(net, optax.adamw(1e-3, eps=1e-5), jnp.zeros((8, 16, 16, 3)))
+
+    def step(state, batch):
+        images = jax.lax.map(lambda im: jnp.where(im.mean() > 0, im[:, ::-1], im), batch["x"])
+
+        def loss_fn(p):
+            logits = net.apply({"params": p}, images)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(4)
+    batches = [
+        {
+            "x": rng.normal(size=(8, 16, 16, 3)).astype(np.float32),
+            "y": rng.integers(0, 10, 8).astype(np.int32),
+        }
+        for _ in range(3)
+    ]
+    _check(step, state, batches, "adamw")
