@@ -12,6 +12,12 @@ against ``jax.jit``.
   ``custom_vjp`` (not linear in the cotangent).
 - A ViT: a strided patch convolution, a class token and learned positions, Flax's
   ``MultiHeadDotProductAttention``, and a per-example flip by ``lax.map`` before the loss.
+- A recommender: multi-hot bags of an embedding table pooled by ``segment_sum``, a dot
+  interaction, Adagrad.
+- A rematerialised ``nn.scan`` stack (unrolled by two) that saves only a named value
+  (``save_only_these_names`` and ``checkpoint_name``).
+- A message-passing graph network over a jraph-style batch: graphs concatenated, nodes
+  indexed by edges across the batch, so it is not cut into microbatches.
 """
 
 import flax.linen as nn
@@ -22,6 +28,7 @@ import optax
 import pytest
 from equality import TOLERANCES, assert_same_as_jit, classifier_step
 from flax.training import train_state
+from jax.ad_checkpoint import checkpoint_name
 
 import autopar
 
@@ -340,3 +347,120 @@ def test_a_vit_with_a_per_example_flip_before_the_loss_equals_jit():
         for _ in range(3)
     ]
     _check(step, state, batches, "adamw")
+
+
+# --- a recommender
+
+
+class Recommender(nn.Module):
+    @nn.compact
+    def __call__(self, dense, ids):
+        table = self.param("table", nn.initializers.normal(0.1), (100, 16))
+        rows, per_row = ids.shape
+        bags = jnp.repeat(jnp.arange(rows), per_row)
+        pooled = jax.ops.segment_sum(table[ids.reshape(-1)], bags, num_segments=rows)
+        d = jax.nn.relu(nn.Dense(16)(dense))
+        h = jnp.concatenate([d, pooled, jnp.einsum("be,be->b", d, pooled)[:, None]], -1)
+        for _ in range(3):
+            h = jax.nn.relu(nn.Dense(D)(h))
+        return nn.Dense(1)(h)[:, 0]
+
+
+def test_a_recommender_pooling_embedding_bags_equals_jit():
+    net = Recommender()
+    state = _train(net, optax.adagrad(0.1), jnp.zeros((8, 4)), jnp.zeros((8, 3), jnp.int32))
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = net.apply({"params": p}, batch["dense"], batch["ids"])
+            return optax.sigmoid_binary_cross_entropy(logits, batch["click"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(5)
+    batches = [
+        {
+            "dense": rng.normal(size=(8, 4)).astype(np.float32),
+            "ids": rng.integers(0, 100, (8, 3)).astype(np.int32),
+            "click": rng.integers(0, 2, 8).astype(np.float32),
+        }
+        for _ in range(3)
+    ]
+    _check(step, state, batches, "sgd")
+
+
+# --- a remat policy that saves one named value
+
+
+class NamedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = checkpoint_name(nn.Dense(2 * D)(nn.LayerNorm()(x)), "mlp_in")
+        return x + nn.Dense(D)(jax.nn.gelu(h)), None
+
+
+class PolicyStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        block = nn.remat(NamedBlock, policy=jax.checkpoint_policies.save_only_these_names("mlp_in"))
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=4, unroll=2)
+        x, _ = stack()(x, None)
+        return nn.Dense(10)(x.mean(1))
+
+
+def test_a_scanned_stack_saving_only_named_values_equals_jit():
+    state = _train(PolicyStack(), optax.sgd(0.1), jnp.zeros((8, 6, D)))
+    rng = np.random.default_rng(6)
+    batches = [
+        {"x": rng.normal(size=(8, 6, D)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
+        for _ in range(3)
+    ]
+    _check(classifier_step("x", "y"), state, batches, "sgd")
+
+
+# --- a graph network over a jraph-style batch
+
+NODES, GRAPHS = 16, 4
+
+
+class MessagePassing(nn.Module):
+    @nn.compact
+    def __call__(self, nodes, senders, receivers, graph_of_node):
+        h = nn.Dense(16)(nodes)
+        for _ in range(3):
+            incoming = jax.ops.segment_sum(nn.Dense(16)(h)[senders], receivers, num_segments=h.shape[0])
+            h = jnp.tanh(nn.Dense(16)(jnp.concatenate([h, incoming], -1)))
+        return nn.Dense(1)(jax.ops.segment_sum(h, graph_of_node, num_segments=GRAPHS))[:, 0]
+
+
+def test_a_graph_network_over_concatenated_graphs_runs_uncut_and_equals_jit():
+    """Its batch's leaves have no common per-example dim (nodes, edges and graphs differ in
+    number): named as the batch, an error that says to pass it outside ``batch_argnums``."""
+    net = MessagePassing()
+    rng = np.random.default_rng(7)
+
+    def batch():
+        return {
+            "nodes": rng.normal(size=(NODES, 4)).astype(np.float32),
+            "senders": rng.integers(0, NODES, 32).astype(np.int32),
+            "receivers": rng.integers(0, NODES, 32).astype(np.int32),
+            "graph": np.repeat(np.arange(GRAPHS), NODES // GRAPHS).astype(np.int32),
+            "y": rng.normal(size=GRAPHS).astype(np.float32),
+        }
+
+    batches = [batch() for _ in range(3)]
+    inputs = ("nodes", "senders", "receivers", "graph")
+    state = _train(net, optax.sgd(0.01), *(batches[0][k] for k in inputs))
+
+    def step(state, batch):
+        def loss_fn(p):
+            return jnp.mean((net.apply({"params": p}, *(batch[k] for k in inputs)) - batch["y"]) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    with pytest.raises(ValueError, match=r"disagree on the batch size.*batch_argnums=\(\) for none"):
+        autopar.autoparallel(step, num_stages=2)(state, batches[0])
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, batch_argnums=())
+    assert len(par.plan(state, batches[0]).stages) == 2

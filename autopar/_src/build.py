@@ -318,7 +318,10 @@ def batch_leaves(
     if len(sizes) > 1:
         raise ValueError(
             f"Batch leaves disagree on the batch size: {sorted(sizes)} (e.g. {list(sizes.values())}); "
-            "every leaf of the batch arguments needs the same leading dim."
+            "every leaf of the batch arguments needs the same leading dim, one row per example. Pass "
+            "leaves that are not per example (a graph batch's concatenated nodes and edges, which "
+            "index each other) in an argument outside batch_argnums (batch_argnums=() for none): "
+            "they are then not cut into microbatches."
         )
     if 0 in sizes:
         raise ValueError(f"The batch is empty: {sizes[0]} has 0 rows; pass at least one example.")
