@@ -464,3 +464,46 @@ def test_a_graph_network_over_concatenated_graphs_runs_uncut_and_equals_jit():
         autopar.autoparallel(step, num_stages=2)(state, batches[0])
     par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, batch_argnums=())
     assert len(par.plan(state, batches[0]).stages) == 2
+
+
+# --- a loss rematerialised as one call
+
+
+class Tower(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(4):
+            x = jnp.tanh(nn.Dense(D)(x))
+        return nn.Dense(10)(x)
+
+
+@pytest.mark.parametrize("how", ["jax.checkpoint", "nn.remat"])
+def test_a_loss_rematerialised_as_one_call_is_cut_into_stages_each_rematerialised(how):
+    """``jax.checkpoint(loss_fn)`` or ``nn.remat`` of the whole model leaves the loss one heavy
+    equation; split, it is cut into two stages, and each stage's share is one checkpoint with the
+    user's policy: the backward recomputes the stage's forward from the stage's inputs."""
+    policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    net = nn.remat(Tower, policy=policy)() if how == "nn.remat" else Tower()
+    state = _train(net, optax.sgd(0.1), jnp.zeros((8, 16)))
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = net.apply({"params": p}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        if how == "jax.checkpoint":
+            loss_fn = jax.checkpoint(loss_fn, policy=policy)
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(8)
+    batches = [
+        {"x": rng.normal(size=(8, 16)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
+        for _ in range(3)
+    ]
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
+    traced = par.executable(state, batches[0]).step
+    region = traced.jaxpr.eqns[traced.region_index()].params["info"]
+    remats = [e for e in region.jaxpr.eqns if e.primitive.name in ("remat2", "checkpoint")]
+    assert [e.params["policy"] for e in remats] == [policy, policy]
+    assert region.cuts and len(par.plan(state, batches[0]).stages) == 2

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from autopar._src import clustering, compat, cond_split, cost, user_constraints
+from autopar._src import clustering, compat, cond_split, cost, remat_split, user_constraints
 
 BoundaryKind = Literal["fwd", "bwd"]
 
@@ -77,13 +77,20 @@ def is_boundary(eqn: Any) -> bool:
 
 
 def inline_calls(
-    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], *, split_conds: bool = False
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    *,
+    split_conds: bool = False,
+    split_remats: float | None = None,
 ) -> list[Any]:
     """Evaluates ``jaxpr`` with every nested ``jit`` call inlined (use under tracing).
 
     With ``split_conds`` each ``cond`` is also split into one per independent group of its
     results (:func:`autopar._src.cond_split.split_cond`). The step's own sharding constraints
-    are dropped, in bodies too (:mod:`autopar._src.user_constraints`)."""
+    are dropped, in bodies too (:mod:`autopar._src.user_constraints`). A rematerialised call with
+    at least ``split_remats`` FLOPs is bound as segments that the loss can be cut between
+    (:mod:`autopar._src.remat_split`)."""
     env: dict[Any, Any] = {}
 
     def read(a: Any) -> Any:
@@ -100,7 +107,9 @@ def inline_calls(
             outs = user_constraints.dropped(eqn, invals)
         elif compat.is_call(eqn):
             body, body_consts = compat.call_body(eqn)
-            outs = inline_calls(body, body_consts, invals, split_conds=split_conds)
+            outs = inline_calls(body, body_consts, invals, split_conds=split_conds, split_remats=split_remats)
+        elif remat_split.should_split(eqn, split_remats):
+            outs = remat_split.split(eqn, invals, lambda b, c, xs: inline_calls(b, c, xs))
         else:
             split = cond_split.split_cond(eqn, invals) if split_conds else None
             rebound = user_constraints.rebind(eqn, invals, run) if split is None else split
@@ -230,15 +239,24 @@ def eval_with_boundaries(
     for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args), strict=True):
         env[v] = x
     live = dict(zip(cuts, live_across(jaxpr, cuts), strict=True))
-    for i, eqn in enumerate(jaxpr.eqns):
+    i, n = 0, len(jaxpr.eqns)
+    while i < n:
         if i in live:
             index = list(cuts).index(i)
             outs = boundary_p.bind(*[env[v] for v in live[i]], index=index, kind="fwd")
             env.update(zip(live[i], outs, strict=True))
+        # A layer's segments of one rematerialised call are rematerialised together.
+        end = remat_split.merge_run(jaxpr.eqns, i, min([c for c in cuts if c > i], default=n))
+        if end > i:
+            remat_split.merged(jaxpr, i, end, env, lambda body, c, xs: inline_calls(body, c, xs))
+            i = end
+            continue
+        eqn = jaxpr.eqns[i]
         outs = compat.bind_eqn(eqn, [read(a) for a in eqn.invars])
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not compat.is_dropvar(v):
                 env[v] = x
+        i += 1
     results = [read(a) for a in jaxpr.outvars]
     # The final boundary separates the last layer's forward from its backward.
     results = [jax.numpy.asarray(r) for r in results]

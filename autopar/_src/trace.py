@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from autopar._src import compat, layers
+from autopar._src import compat, cost, layers, remat_split
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,7 +148,11 @@ def _region_value_and_grad(
     fwd_jaxpr, outer_consts = compat.jaxpr_and_consts(fwd_closed)
     aux_tree = out_tree_box[-1]
 
-    flat_closed = jax.make_jaxpr(lambda c, d: layers.inline_calls(fwd_jaxpr, c, d))(outer_consts, diff_leaves)
+    total = sum(cost.eqn_flops(e) for e in fwd_jaxpr.eqns)
+    big = remat_split.SPLIT_SHARE * total if total > 0 else None
+    flat_closed = jax.make_jaxpr(lambda c, d: layers.inline_calls(fwd_jaxpr, c, d, split_remats=big))(
+        outer_consts, diff_leaves
+    )
     flat_jaxpr, flat_consts = compat.jaxpr_and_consts(flat_closed)
     other_counts: tuple[int, ...] = ()
     if options.cuts is not None:
