@@ -507,3 +507,23 @@ def test_a_loss_rematerialised_as_one_call_is_cut_into_stages_each_rematerialise
     remats = [e for e in region.jaxpr.eqns if e.primitive.name in ("remat2", "checkpoint")]
     assert [e.params["policy"] for e in remats] == [policy, policy]
     assert region.cuts and len(par.plan(state, batches[0]).stages) == 2
+
+
+def test_a_summed_loss_rematerialised_as_one_call_is_still_refused_with_microbatches():
+    """The step traced at the whole batch is cut where the plan cuts, so its region (two
+    checkpoints, one per stage) is compared with the plan's equation by equation and the sum
+    over the examples is found inside the split call."""
+    net = Tower()
+    params = net.init(jax.random.key(0), jnp.zeros((8, 16)))["params"]
+
+    def step(params, batch):
+        def loss_fn(p):
+            logits = net.apply({"params": p}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).sum()
+
+        loss, grads = autopar.value_and_grad(jax.checkpoint(loss_fn))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros(8, np.int32)}
+    with pytest.raises(ValueError, match=r"The loss \(float32\[\]\) is a sum over the examples"):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(params, batch)

@@ -70,9 +70,12 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
     assert isinstance(spec, ClusterSpec), "Options parses a cluster's name"
     searched = spec  # the cluster the stage search plans for
     failed: NoLayoutFitsError | None = None
-    # The step at the whole batch, once (see planning.per_example_outputs).
+    # The step at the whole batch, once per plan's cuts (see planning.per_example_outputs): its
+    # region is compared with the plan's equation by equation, so it is cut in the same places.
     whole_batch = functools.cache(
-        lambda: planning.trace_at(fn, args, batch_ids, batch_size, TraceOptions(num_layers=1))
+        lambda cuts: planning.trace_at(
+            fn, args, batch_ids, batch_size, TraceOptions(num_layers=len(cuts) + 1, cuts=cuts)
+        )
     )
     for attempt in range(MEMORY_REPLANS + 1):
         try:
@@ -91,10 +94,15 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
                     fn, args, plan=agreed, batch_ids=batch_ids, batch_size=batch_size, devices=devices
                 )
         per_example = planning.per_example_outputs(
-            step, whole_batch, batch_ids=batch_ids, num_microbatches=plan.num_microbatches
+            step,
+            functools.partial(whole_batch, tuple(plan.cuts)),
+            batch_ids=batch_ids,
+            num_microbatches=plan.num_microbatches,
         )
         multi = plan.num_microbatches > 1 and step.region_index() is not None
-        drawing = microbatch_keys.drawing_per_example(step, whole_batch()) if multi else frozenset()
+        drawing = (
+            microbatch_keys.drawing_per_example(step, whole_batch(tuple(plan.cuts))) if multi else frozenset()
+        )
         meshes = driver.stage_meshes(plan, devices)
         mb = batch_size // plan.num_microbatches if batch_size else 0
         program = partition.build_program(step, plan, batch_ids, mb, per_example, drawing)

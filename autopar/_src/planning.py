@@ -162,8 +162,9 @@ def per_example_outputs(
     them (integers, booleans and keys: the first microbatch's).
 
     ``step`` is traced at one microbatch; with several, ``whole_batch()`` gives the step traced
-    at the whole batch (:func:`trace_at`, any layer count) to compare the outputs' shapes, and
-    the code that runs once per step, which must not depend on the batch's shape.
+    at the whole batch (:func:`trace_at`, at the same cuts: the regions are compared equation by
+    equation) to compare the outputs' shapes, and the code that runs once per step, which must
+    not depend on the batch's shape.
 
     Returns:
       ``{index into the region's outputs: batch dim}``.
