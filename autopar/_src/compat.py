@@ -303,16 +303,16 @@ def register_identity_rules(
     mlir.register_lowering(prim, lambda ctx, *args, **params: list(args))
 
 
-def register_constant_of_shape_rules(prim: Primitive) -> None:
-    """Registers JVP (a zero tangent) and batching (the batched operand's dims) for ``prim``,
-    one result in its one operand's shape that does not depend on its values."""
+def register_constant_rules(prim: Primitive) -> None:
+    """Registers JVP (a zero tangent) and batching (unbatched) for ``prim``, which has no
+    operands and one result."""
 
     def jvp(primals: Sequence[Any], tangents: Sequence[Any], **params: Any) -> tuple[Any, Any]:
         out = prim.bind(*primals, **params)
         return out, jax.numpy.zeros_like(out)
 
     ad.primitive_jvps[prim] = jvp
-    batching.primitive_batchers[prim] = lambda args, dims, **params: (prim.bind(*args, **params), dims[0])
+    batching.primitive_batchers[prim] = lambda args, dims, **params: (prim.bind(*args, **params), None)
 
 
 def register_batching_from_fun(prim: Primitive, fun: Callable[..., Any]) -> None:
@@ -330,6 +330,11 @@ def register_batching_from_fun(prim: Primitive, fun: Callable[..., Any]) -> None
 def register_lowering_from_fun(prim: Primitive, fun: Callable[..., Any]) -> None:
     """Lowers ``prim`` by tracing the Python function ``fun``."""
     mlir.register_lowering(prim, mlir.lower_fun(fun, multiple_results=prim.multiple_results))
+
+
+def shaped_array(shape: tuple[int, ...], dtype: Any) -> Any:
+    """The abstract value of an array of ``shape`` and ``dtype`` (for abstract evaluation rules)."""
+    return jax.core.ShapedArray(shape, dtype)
 
 
 def aval_of(x: Any) -> Any:

@@ -53,15 +53,19 @@ cotangent_seed_p = compat.Primitive("autopar_cotangent_seed")
 computes for its examples from the whole batch's mean, and the gradients add up over the
 microbatches. A cotangent is then the same however the batch is cut, also where the backward is
 not linear in it (a ``custom_vjp`` that clips it)."""
-cotangent_seed_p.def_abstract_eval(lambda x, *, scale: x.update(weak_type=False))
-cotangent_seed_p.def_impl(lambda x, *, scale: jnp.full_like(x, scale))
-compat.register_lowering_from_fun(cotangent_seed_p, lambda x, *, scale: jnp.full_like(x, scale))
-compat.register_constant_of_shape_rules(cotangent_seed_p)
+cotangent_seed_p.def_abstract_eval(lambda *, shape, dtype, scale: compat.shaped_array(shape, dtype))
+cotangent_seed_p.def_impl(lambda *, shape, dtype, scale: jnp.full(shape, scale, dtype))
+compat.register_lowering_from_fun(
+    cotangent_seed_p, lambda *, shape, dtype, scale: jnp.full(shape, scale, dtype)
+)
+compat.register_constant_rules(cotangent_seed_p)
 
 
 def cotangent_seed(value: Any) -> Any:
-    """The backward's starting cotangent for the loss ``value`` (ones, until scaled)."""
-    return cotangent_seed_p.bind(value, scale=1.0)
+    """The backward's starting cotangent for the loss ``value`` (ones, until scaled). It reads
+    only the loss's shape and dtype, so the loss is not a value a microbatch's backward holds."""
+    aval = compat.aval_of(value)
+    return cotangent_seed_p.bind(shape=tuple(aval.shape), dtype=aval.dtype, scale=1.0)
 
 
 def with_seed_scale(eqn: Any, scale: float) -> Any:
