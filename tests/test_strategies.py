@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from autopar._src import cost, sharding_ilp
+from autopar._src import compat, cost, sharding_ilp
 from autopar._src.collectives import all_reduce_cost, entry_axes, reduce_scatter_cost
 from autopar._src.strategies import MeshSpec, eqn_strategies
 from autopar._src.strategy_graph import build_graph, specs_of
@@ -44,7 +44,15 @@ def by_name(strategies):
 
 
 def first_eqn(fn, *args, primitive):
-    return next(e for e in eqns_of(fn, *args) if e.primitive.name == primitive)
+    """The first ``primitive`` equation of ``fn``'s jaxpr, looking inside nested calls."""
+
+    def walk(eqns):
+        for e in eqns:
+            yield e
+            for body in compat.sub_jaxprs(e):
+                yield from walk(body.eqns)
+
+    return next(e for e in walk(eqns_of(fn, *args)) if e.primitive.name == primitive)
 
 
 X = jnp.ones((64, 32))
@@ -254,6 +262,22 @@ def test_ragged_dot_and_its_gradients_split_columns_and_contractions_but_not_rag
     assert wgrad["lhs_column[model]"].output_specs == ((None, "model", None),)
     assert wgrad["column[model]"].output_specs == ((None, None, "model"),)
     assert wgrad["row_allreduce[data]"].input_specs == (("data", None), ("data", None), (None,))
+
+
+def test_fft_splits_the_dims_it_does_not_transform_and_is_priced_as_5_n_log_n():
+    x = jnp.ones((8, 16, 32), jnp.complex64)
+    eqn = first_eqn(lambda a: lax.fft(a, lax.FftType.FFT, (16, 32)), x, primitive="fft")
+    strategies = by_name(eqn_strategies(eqn, mesh(2, 4)))
+    assert strategies["split[d0@data]"].output_specs == (("data", None, None),)
+    assert strategies["split[d0@data]"].communication_cost == 0
+    # The transformed dims are never split.
+    assert all(spec[1:] == (None, None) for s in strategies.values() for spec in s.output_specs)
+    assert cost.eqn_flops(eqn) == pytest.approx(5 * 8 * 512 * np.log2(512))
+    rfft = first_eqn(lambda a: lax.fft(a, lax.FftType.RFFT, (32,)), jnp.ones((8, 16, 32)), primitive="fft")
+    assert {s.output_specs[0] for s in eqn_strategies(rfft, mesh(2, 4))} >= {
+        ("data", None, None),
+        (None, "model", None),
+    }
 
 
 def test_elementwise_follows_operand_and_keeps_broadcast_dims_replicated():

@@ -16,6 +16,7 @@ against ``jax.jit``.
   interaction, Adagrad.
 - A rematerialised ``nn.scan`` stack (unrolled by two) that saves only a named value
   (``save_only_these_names`` and ``checkpoint_name``).
+- FNet: token mixing by a 2-D Fourier transform.
 - A message-passing graph network over a jraph-style batch: graphs concatenated, nodes
   indexed by edges across the batch, so it is not cut into microbatches.
 """
@@ -31,6 +32,7 @@ from flax.training import train_state
 from jax.ad_checkpoint import checkpoint_name
 
 import autopar
+from autopar._src import intra_op
 
 D = 32
 
@@ -527,3 +529,39 @@ def test_a_summed_loss_rematerialised_as_one_call_is_still_refused_with_microbat
     batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros(8, np.int32)}
     with pytest.raises(ValueError, match=r"The loss \(float32\[\]\) is a sum over the examples"):
         autopar.autoparallel(step, num_stages=2, num_microbatches=2)(params, batch)
+
+
+# --- FNet
+
+
+class FNetBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.LayerNorm()(x + jnp.real(jnp.fft.fft2(x.astype(jnp.complex64))))
+        return nn.LayerNorm()(x + nn.Dense(D)(jax.nn.gelu(nn.Dense(2 * D)(x))))
+
+
+class FNet(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(64, D)(ids)
+        for _ in range(3):
+            x = FNetBlock()(x)
+        return nn.Dense(64)(x)
+
+
+def test_fnet_splits_its_fourier_transforms_over_the_batch_and_equals_jit():
+    """An ``fft`` transforms its trailing dims and leaves the batch alone: each stage splits it
+    over its devices rather than gathering the activations to transform them whole."""
+    state = _train(FNet(), optax.sgd(0.1), jnp.zeros((8, 16), jnp.int32))
+    rng = np.random.default_rng(9)
+    batches = [
+        {k: rng.integers(0, 64, (8, 16)).astype(np.int32) for k in ("ids", "labels")} for _ in range(3)
+    ]
+    par = assert_same_as_jit(
+        classifier_step("ids", "labels"), state, batches, TOLERANCES["sgd"], num_stages=2, mesh_shape=(4,)
+    )
+    exe = par.executable(state, batches[0])
+    for stage in range(2):
+        ffts = [op for op in intra_op.stage_ops(exe.program, stage)[0] if op.eqn.primitive.name == "fft"]
+        assert ffts and all(exe.shardings[stage].strategies[op.outs[0]] == "split[d0@data]" for op in ffts)

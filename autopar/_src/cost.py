@@ -71,6 +71,11 @@ def eqn_flops_by_dtype(eqn: Any) -> dict[str, float]:
         out_feature_dim = dn.rhs_spec[0]
         per_output = _prod(rhs_shape) // max(int(rhs_shape[out_feature_dim]), 1)
         return {str(eqn.invars[0].aval.dtype): 2.0 * _prod(eqn.outvars[0].aval.shape) * per_output}
+    if name == "fft":  # 5 n log2 n per transform of n points (complex), the usual count
+        lengths = eqn.params["fft_lengths"]
+        points = _prod(lengths)
+        transforms = _prod(eqn.outvars[0].aval.shape[: -len(lengths)])
+        return {str(eqn.invars[0].aval.dtype): 5.0 * transforms * points * math.log2(max(points, 2))}
     total: dict[str, float] = {}
     repeat = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
     for sub in jcore.jaxprs_in_params(eqn.params):

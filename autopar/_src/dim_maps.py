@@ -27,9 +27,10 @@ from autopar._src.sharding_ilp import Strategy
 
 DIM_MAP_PRIMITIVES: frozenset[str] = frozenset(
     "reshape transpose broadcast_in_dim squeeze rev slice pad dynamic_slice "
-    "dynamic_update_slice cumsum cumprod cummax cummin cumlogsumexp".split()
+    "dynamic_update_slice cumsum cumprod cummax cummin cumlogsumexp fft".split()
 )
-"""Primitives that move, add or drop dims; a split survives where a dim maps through."""
+"""Primitives that move, add or drop dims, or work along some dims and leave the others alone
+(``rev``, the cumulative ones, ``fft``); a split survives where a dim maps through."""
 
 
 def _reshape_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
@@ -78,6 +79,8 @@ def _dim_map(eqn: Any) -> tuple[dict[int, int], frozenset[int]] | None:
         return mapping, frozenset(range(len(out_shape))) - frozenset(mapping.values())
     if name in ("rev",):
         return {d: d for d in same if d not in p["dimensions"]}, frozenset()
+    if name == "fft":  # over the trailing dims it transforms
+        return {d: d for d in same if d < len(in_shape) - len(p["fft_lengths"])}, frozenset()
     if name.startswith("cum"):
         return {d: d for d in same if d != p["axis"] % len(in_shape)}, frozenset()
     if name in ("slice", "dynamic_slice", "dynamic_update_slice", "pad"):

@@ -44,7 +44,7 @@ from autopar._src.sharding_ilp import Strategy
 
 ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
     "abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil "
-    "clamp clz conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp "
+    "clamp clz complex conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp "
     "exp2 expm1 floor ge gt igamma igamma_grad_a igammac imag integer_pow is_finite le lgamma log "
     "log1p log2 logistic lt max min mul mulhi ne neg nextafter not one_minus_square or polygamma "
     "population_count pow real reduce_precision rem round rsqrt select_n shift_left "
