@@ -231,7 +231,11 @@ def build_program(
         if i in stage_of:
             continue
         stages = set().union(*(consumer_stages.get(v, set()) for v in _eqn_outvars(eqns[i])))
-        st = min(stages) if stages else 0
+        # Made for the step's outputs only: before the gradient on the first stage, after it on
+        # the last, beside the loss, so that outputs the step updates together (a metric's total
+        # from the loss and its count) are on one stage and mix eagerly.
+        after = region_at is not None and i > region_at
+        st = min(stages) if stages else (plan.num_stages - 1 if after else 0)
         stage_of[i] = st
         for a in _eqn_invars(eqns[i]):
             consumer_stages.setdefault(a, set()).add(st)
