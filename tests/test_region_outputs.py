@@ -83,6 +83,15 @@ def _custom_sum(x):
 _custom_sum.defjvp(lambda primals, tangents: (_custom_sum(primals[0]), tangents[0].sum()))
 
 
+@jax.custom_vjp
+def _pair_gaps(x):
+    """Every example's value minus every other's, by a ``custom_vjp`` function."""
+    return x[:, None] - x[None, :]
+
+
+_pair_gaps.defvjp(lambda x: (_pair_gaps(x), None), lambda _, g: (g.sum(1) - g.sum(0),))
+
+
 def _chunk_sum(x):
     """A sum over the examples made by a ``scan`` over chunks of two."""
     return jax.lax.scan(lambda c, chunk: (c + chunk.sum(), None), 0.0, x.reshape(-1, 2))[0]
@@ -249,6 +258,18 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
             lambda logits, y: {"contrast": jax.jit(lambda z: jax.nn.log_softmax(z @ z.T).mean())(logits)},
             r"Aux output 0 .* pairs the examples with each other: at .*test_region_outputs.*dot_general",
         ),
+        (
+            lambda losses, y: jax.checkpoint(
+                lambda v: jax.nn.logsumexp(v[:, None] - v[None, :], axis=1).mean()
+            )(losses),
+            None,
+            r"The loss \(float32\[\]\) pairs the examples with each other: at .*test_region_outputs.* sub",
+        ),
+        (
+            lambda losses, y: jax.nn.logsumexp(_pair_gaps(losses), axis=1).mean(),
+            None,
+            r"The loss \(float32\[\]\) pairs the examples with each other: at .*test_region_outputs.* sub",
+        ),
     ],
     ids=[
         "loss-sum",
@@ -270,6 +291,8 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
         "aux-row-max",
         "loss-pairs",
         "aux-pairs-in-jit",
+        "loss-pairs-in-checkpoint",
+        "loss-pairs-in-custom-vjp",
     ],
 )
 def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):

@@ -339,20 +339,10 @@ def _refuse_pairs(rj: Any, twin: Mapping[int, Any], averaged: Mapping[Any, int],
     where each of the equation's operands has at most one), as a contrastive loss's in-batch
     negatives do: each microbatch would pair only its own examples."""
     for rv, i in averaged.items():
-        for e in reversed(_slice(rj.eqns, {rv})):  # _slice lists them last first
-            other = twin.get(id(e))
-            if other is None or not any(batch_scaling.is_float(v) for v in e.outvars):
-                continue
-            operands = [
-                _per_example_dims(a, b, nmb)
-                for a, b in zip(e.invars, other.invars, strict=True)
-                if not compat.is_literal(a)
-            ]
-            made = max(
-                (_per_example_dims(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)),
-                default=0,
-            )
-            if made >= 2 and max(operands, default=0) < 2:
+        for outer in reversed(_slice(rj.eqns, {rv})):  # _slice lists them last first
+            other = twin.get(id(outer))
+            e = None if other is None else _pairing(outer, other, nmb)
+            if e is not None:
                 what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
                 raise ValueError(
                     f"{what} ({rv.aval.str_short()}) pairs the examples with each other: at "
@@ -362,6 +352,29 @@ def _refuse_pairs(rj: Any, twin: Mapping[int, Any], averaged: Mapping[Any, int],
                     "neither the loss nor its gradients would be the whole batch's. Use "
                     "num_microbatches=1."
                 )
+
+
+def _pairing(e: Any, other: Any, nmb: int) -> Any:
+    """The float equation, ``e`` or one inside its body (a rematerialised call, a ``custom_jvp``
+    or ``custom_vjp`` function), that makes two per-example dims from operands with at most one
+    each (``other``: ``e``'s twin in the whole batch's trace); None if there is none."""
+    body, twin_body = compat.operand_body(e), compat.operand_body(other)
+    if body is not None and twin_body is not None:
+        pairs = list(zip(body.eqns, twin_body.eqns, strict=False))
+        if len(body.eqns) == len(twin_body.eqns) and all(q.primitive is r.primitive for q, r in pairs):
+            return next((found for q, r in pairs if (found := _pairing(q, r, nmb)) is not None), None)
+        return None
+    if not any(batch_scaling.is_float(v) for v in e.outvars):
+        return None
+    operands = [
+        _per_example_dims(a, b, nmb)
+        for a, b in zip(e.invars, other.invars, strict=True)
+        if not compat.is_literal(a)
+    ]
+    made = max(
+        (_per_example_dims(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)), default=0
+    )
+    return e if made >= 2 and max(operands, default=0) < 2 else None
 
 
 def _per_example_dims(v: Any, w: Any, nmb: int) -> int:
