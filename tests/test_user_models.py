@@ -42,6 +42,30 @@ def _train(net, tx, *example):
     return train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
 
 
+def _state_step(loss_of):
+    """A ``TrainState`` step minimising ``loss_of(params, batch)``."""
+
+    def step(state, batch):
+        loss, grads = autopar.value_and_grad(lambda p: loss_of(p, batch))(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+def _batches(seed, **makers):
+    """Three batches, each leaf ``makers[name](rng)``."""
+    rng = np.random.default_rng(seed)
+    return [{name: make(rng) for name, make in makers.items()} for _ in range(3)]
+
+
+def _normal(*shape):
+    return lambda rng: rng.normal(size=shape).astype(np.float32)
+
+
+def _ints(high, *shape):
+    return lambda rng: rng.integers(0, high, shape).astype(np.int32)
+
+
 def _check(step, state, batches, optimizer):
     par = assert_same_as_jit(step, state, batches, TOLERANCES[optimizer], num_stages=2, num_microbatches=2)
     assert len(par.plan(state, batches[0]).stages) == 2
@@ -159,11 +183,7 @@ def test_lora_adapters_over_frozen_kernels_equal_jit():
     )
     tx = optax.multi_transform({"train": optax.adamw(1e-2, eps=1e-5), "freeze": optax.set_to_zero()}, trained)
     state = train_state.TrainState.create(apply_fn=net.apply, params=params, tx=tx)
-    rng = np.random.default_rng(1)
-    batches = [
-        {"x": rng.normal(size=(8, D)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
-        for _ in range(3)
-    ]
+    batches = _batches(1, x=_normal(8, D), y=_ints(10, 8))
     step = classifier_step("x", "y")
     _check(step, state, batches, "adamw")
     # The frozen kernels did not move.
@@ -231,14 +251,11 @@ def test_an_encoder_decoder_with_cross_attention_equals_jit():
     net = EncoderDecoder()
     state = _train(net, optax.sgd(0.1), jnp.ones((8, 12), jnp.int32), jnp.ones((8, 10), jnp.int32))
 
-    def step(state, batch):
-        def loss_fn(p):
-            logits = net.apply({"params": p}, batch["source"], batch["target_in"])
-            labels = optax.smooth_labels(jax.nn.one_hot(batch["target_out"], 64), 0.1)
-            return optax.softmax_cross_entropy(logits, labels).mean()
-
-        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
+    @_state_step
+    def step(p, batch):
+        logits = net.apply({"params": p}, batch["source"], batch["target_in"])
+        labels = optax.smooth_labels(jax.nn.one_hot(batch["target_out"], 64), 0.1)
+        return optax.softmax_cross_entropy(logits, labels).mean()
 
     rng = np.random.default_rng(2)
 
@@ -291,10 +308,7 @@ def test_a_gradient_clipping_custom_vjp_sees_the_cotangents_jit_sees():
     rather than ``1 / num_microbatches`` would clip cotangents twice as large, and the gradients
     would differ from ``jax.jit``'s."""
     state = _train(RecurrentLM(), optax.sgd(0.1), jnp.zeros((8, 16), jnp.int32))
-    rng = np.random.default_rng(3)
-    batches = [
-        {k: rng.integers(0, 64, (8, 16)).astype(np.int32) for k in ("ids", "labels")} for _ in range(3)
-    ]
+    batches = _batches(3, ids=_ints(64, 8, 16), labels=_ints(64, 8, 16))
     step = classifier_step("ids", "labels")
 
     def loss(params, batch):
@@ -340,15 +354,7 @@ def test_a_vit_with_a_per_example_flip_before_the_loss_equals_jit():
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    rng = np.random.default_rng(4)
-    batches = [
-        {
-            "x": rng.normal(size=(8, 16, 16, 3)).astype(np.float32),
-            "y": rng.integers(0, 10, 8).astype(np.int32),
-        }
-        for _ in range(3)
-    ]
-    _check(step, state, batches, "adamw")
+    _check(step, state, _batches(4, x=_normal(8, 16, 16, 3), y=_ints(10, 8)), "adamw")
 
 
 # --- a recommender
@@ -372,24 +378,13 @@ def test_a_recommender_pooling_embedding_bags_equals_jit():
     net = Recommender()
     state = _train(net, optax.adagrad(0.1), jnp.zeros((8, 4)), jnp.zeros((8, 3), jnp.int32))
 
-    def step(state, batch):
-        def loss_fn(p):
-            logits = net.apply({"params": p}, batch["dense"], batch["ids"])
-            return optax.sigmoid_binary_cross_entropy(logits, batch["click"]).mean()
+    @_state_step
+    def step(p, batch):
+        logits = net.apply({"params": p}, batch["dense"], batch["ids"])
+        return optax.sigmoid_binary_cross_entropy(logits, batch["click"]).mean()
 
-        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    rng = np.random.default_rng(5)
-    batches = [
-        {
-            "dense": rng.normal(size=(8, 4)).astype(np.float32),
-            "ids": rng.integers(0, 100, (8, 3)).astype(np.int32),
-            "click": rng.integers(0, 2, 8).astype(np.float32),
-        }
-        for _ in range(3)
-    ]
-    _check(step, state, batches, "sgd")
+    clicks = lambda rng: rng.integers(0, 2, 8).astype(np.float32)  # noqa: E731
+    _check(step, state, _batches(5, dense=_normal(8, 4), ids=_ints(100, 8, 3), click=clicks), "sgd")
 
 
 # --- a remat policy that saves one named value
@@ -413,11 +408,7 @@ class PolicyStack(nn.Module):
 
 def test_a_scanned_stack_saving_only_named_values_equals_jit():
     state = _train(PolicyStack(), optax.sgd(0.1), jnp.zeros((8, 6, D)))
-    rng = np.random.default_rng(6)
-    batches = [
-        {"x": rng.normal(size=(8, 6, D)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
-        for _ in range(3)
-    ]
+    batches = _batches(6, x=_normal(8, 6, D), y=_ints(10, 8))
     _check(classifier_step("x", "y"), state, batches, "sgd")
 
 
@@ -455,12 +446,9 @@ def test_a_graph_network_over_concatenated_graphs_runs_uncut_and_equals_jit():
     inputs = ("nodes", "senders", "receivers", "graph")
     state = _train(net, optax.sgd(0.01), *(batches[0][k] for k in inputs))
 
-    def step(state, batch):
-        def loss_fn(p):
-            return jnp.mean((net.apply({"params": p}, *(batch[k] for k in inputs)) - batch["y"]) ** 2)
-
-        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
+    @_state_step
+    def step(p, batch):
+        return jnp.mean((net.apply({"params": p}, *(batch[k] for k in inputs)) - batch["y"]) ** 2)
 
     with pytest.raises(ValueError, match=r"disagree on the batch size.*batch_argnums=\(\) for none"):
         autopar.autoparallel(step, num_stages=2)(state, batches[0])
@@ -498,11 +486,7 @@ def test_a_loss_rematerialised_as_one_call_is_cut_into_stages_each_rematerialise
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    rng = np.random.default_rng(8)
-    batches = [
-        {"x": rng.normal(size=(8, 16)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
-        for _ in range(3)
-    ]
+    batches = _batches(8, x=_normal(8, 16), y=_ints(10, 8))
     par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
     traced = par.executable(state, batches[0]).step
     region = traced.jaxpr.eqns[traced.region_index()].params["info"]
@@ -554,10 +538,7 @@ def test_fnet_splits_its_fourier_transforms_over_the_batch_and_equals_jit():
     """An ``fft`` transforms its trailing dims and leaves the batch alone: each stage splits it
     over its devices rather than gathering the activations to transform them whole."""
     state = _train(FNet(), optax.sgd(0.1), jnp.zeros((8, 16), jnp.int32))
-    rng = np.random.default_rng(9)
-    batches = [
-        {k: rng.integers(0, 64, (8, 16)).astype(np.int32) for k in ("ids", "labels")} for _ in range(3)
-    ]
+    batches = _batches(9, ids=_ints(64, 8, 16), labels=_ints(64, 8, 16))
     par = assert_same_as_jit(
         classifier_step("ids", "labels"), state, batches, TOLERANCES["sgd"], num_stages=2, mesh_shape=(4,)
     )

@@ -261,6 +261,19 @@ _LIBRARY_DIRS = frozenset({"site-packages", "dist-packages"})
 _AUTOPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
+def last_reads(jaxpr: Any) -> dict[Any, int]:
+    """Each variable's last reader's position in ``jaxpr.eqns`` (their number for an output)."""
+    last: dict[Any, int] = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for a in e.invars:
+            if not is_literal(a):
+                last[a] = i
+    for a in jaxpr.outvars:
+        if not is_literal(a):
+            last[a] = len(jaxpr.eqns)
+    return last
+
+
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     """Evaluates an open jaxpr on ``consts`` and ``args``."""
     env: dict[Any, Any] = {}

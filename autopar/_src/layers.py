@@ -127,15 +127,7 @@ def inline_calls(
 def live_across(jaxpr: Any, cuts: Sequence[int]) -> list[list[Any]]:
     """For each cut position ``p`` (before equation ``p``), the vars defined by an
     equation before ``p`` and read at or after ``p`` (or returned)."""
-    last_use: dict[Any, int] = {}
-    n = len(jaxpr.eqns)
-    for i, eqn in enumerate(jaxpr.eqns):
-        for a in eqn.invars:
-            if not compat.is_literal(a):
-                last_use[a] = i
-    for a in jaxpr.outvars:
-        if not compat.is_literal(a):
-            last_use[a] = n
+    last_use = compat.last_reads(jaxpr)
     defined_at: dict[Any, int] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.outvars:
@@ -148,14 +140,7 @@ def _live_bytes_per_position(jaxpr: Any) -> np.ndarray:
     """Bytes live across a cut before each equation position 0..n."""
     n = len(jaxpr.eqns)
     diff = np.zeros(n + 2, dtype=np.float64)
-    last_use: dict[Any, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for a in eqn.invars:
-            if not compat.is_literal(a):
-                last_use[a] = i
-    for a in jaxpr.outvars:
-        if not compat.is_literal(a):
-            last_use[a] = n
+    last_use = compat.last_reads(jaxpr)
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.outvars:
             if compat.is_dropvar(v) or v not in last_use:

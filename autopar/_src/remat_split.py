@@ -60,7 +60,7 @@ def split(eqn: Any, invals: Sequence[Any], run: Run) -> list[Any]:
     ends = [i + 1 for i in heavy[:-1]] + [len(jaxpr.eqns)] if heavy else [len(jaxpr.eqns)]
     policy = Segment(eqn.params["policy"], next(_ORIGINS))
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *invals], strict=True))
-    later = _reads_after(jaxpr)
+    later = compat.last_reads(jaxpr)
     start = 0
     for end in ends:
         group = jaxpr.eqns[start:end]
@@ -93,7 +93,7 @@ def merged(jaxpr: Any, start: int, end: int, env: dict[Any, Any], run: Run) -> N
     """Binds the segments ``jaxpr.eqns[start:end]`` (of one call) as one ``jax.checkpoint`` with
     the call's own policy, reading and writing values in ``env`` (use under tracing)."""
     group = jaxpr.eqns[start:end]
-    later = _reads_after(jaxpr)
+    later = compat.last_reads(jaxpr)
     ins = _inputs(group)
     outs = [v for v in _defined(group) if later.get(v, -1) >= end]
     policy = _segment_policy(group[0])
@@ -147,16 +147,3 @@ def _inputs(group: Sequence[Any]) -> list[Any]:
             if not compat.is_literal(a) and a not in made:
                 seen.setdefault(a, None)
     return list(seen)
-
-
-def _reads_after(jaxpr: Any) -> dict[Any, int]:
-    """Each variable's last reader's position (the number of equations for an output)."""
-    last: dict[Any, int] = {}
-    for i, e in enumerate(jaxpr.eqns):
-        for a in e.invars:
-            if not compat.is_literal(a):
-                last[a] = i
-    for a in jaxpr.outvars:
-        if not compat.is_literal(a):
-            last[a] = len(jaxpr.eqns)
-    return last
