@@ -137,6 +137,7 @@ def test_bad_input_is_a_clear_error_before_any_work(options, message):
         (dict(devices=jax.devices()[:2] * 2), r"devices lists device ids \[0, 1\] more than once"),
         (dict(cluster=8), "cluster must be an autopar.ClusterSpec or a string such as '2x8xH100', got 8"),
         (dict(cluster="8xH100"), "8xH100"),
+        (dict(static_argnums=("mode",)), r"static_argnums must be ints, got \('mode',\)"),
     ],
 )
 def test_bad_options_fail_at_decoration(options, message):
@@ -362,6 +363,41 @@ def test_arguments_by_keyword_and_numpy_int_options_are_taken_like_jit():
         autopar.autoparallel(keyword_only)(state, batch=batch)
     with pytest.raises(TypeError, match="got an unexpected keyword argument 'labels'"):
         par(state, batch, labels=batch)
+
+
+def test_static_arguments_are_traced_as_python_values_with_a_program_for_each_like_jit():
+    config = train.tiny_config("mlp")
+    _, state = train.setup("mlp", "linen", config, optax.sgd(0.1))
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+
+    def step(mode, state, batch):  # a Python string the step branches on while traced
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, batch["x"])
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+            return losses.mean() if mode == "mean" else losses.sum()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=2, static_argnums=0, batch_argnums=2)
+    ref = jax.jit(step, static_argnums=0)
+    for mode in ("mean", "mean"):
+        mine, theirs = par(mode, state, batches[0]), ref(mode, state, batches[0])
+        for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True):
+            np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+    assert par.plan("mean", state, batches[0]) is par.plan("mean", state, batches[1])  # one program
+    # Another value is another step: here one whose loss is a sum, which microbatches refuse.
+    with pytest.raises(ValueError, match="The loss .* is a sum over the examples"):
+        par("sum", state, batches[0])
+    one = autopar.autoparallel(step, num_stages=2, static_argnums=(0,), batch_argnums=(2,))
+    mine, theirs = one("sum", state, batches[0]), ref("sum", state, batches[0])
+    np.testing.assert_allclose(np.asarray(mine[1]), np.asarray(theirs[1]), **TOLERANCES["sgd"])
+    shardings = one.input_shardings("sum", state, batches[0])
+    assert shardings[0] is None and len(shardings) == 3
+    with pytest.raises(ValueError, match=r"static argument 0 \(list\) is not hashable"):
+        par(["mean"], state, batches[0])
+    with pytest.raises(ValueError, match=r"batch_argnums=\(0,\) and static_argnums name the same argument 0"):
+        autopar.autoparallel(step, static_argnums=0, batch_argnums=0)("mean", state, batches[0])
 
 
 def test_arguments_and_constants_passed_through_come_back_as_arrays_like_jit():

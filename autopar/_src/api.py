@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from autopar._src import autoplan, build, compat, driver, nnx_support, schedule, trace
+from autopar._src import autoplan, build, compat, driver, nnx_support, schedule, static_args, trace
 from autopar._src.cluster import ClusterSpec, parse_cluster
 from autopar._src.plan import Plan
 
@@ -50,6 +50,9 @@ class Options:
     parameters and optimizer state (the ILP lays out the values computed from them)."""
     mesh_shape: tuple[int, ...] | None = None
     """With an int ``num_stages``: each stage's logical mesh, ``(data,)`` or ``(data, model)``."""
+    static_argnums: tuple[int, ...] = ()
+    """Positional arguments that are Python values the step is traced with (hashable), as
+    ``jax.jit``'s: each set of their values gets its own plan and program."""
 
     def __post_init__(self) -> None:
         for name in ("num_microbatches", "num_stages"):
@@ -70,6 +73,8 @@ class Options:
             raise ValueError(f"batch_argnums must be ints, got {self.batch_argnums!r}")
         if any(not isinstance(a, int) for a in self.donate_argnums):
             raise ValueError(f"donate_argnums must be ints, got {self.donate_argnums!r}")
+        if any(not isinstance(a, int) for a in self.static_argnums):
+            raise ValueError(f"static_argnums must be ints, got {self.static_argnums!r}")
         if self.plan is not None:
             given = {
                 "num_stages": (self.num_stages, "auto", self.plan.num_stages),
@@ -141,6 +146,7 @@ def autoparallel(
     cost_cache: str | None = None,
     sharding: Literal["auto", "data"] = "auto",
     mesh_shape: Sequence[int] | None = None,
+    static_argnums: int | Sequence[int] = (),
 ) -> Any:
     """Runs a single-device train step as a pipeline of sharded stages.
 
@@ -172,13 +178,16 @@ def autoparallel(
     ``donate_argnums`` works as in ``jax.jit``: the buffers of those arguments are
     reused for the outputs (typically the old state for the new one) and must not
     be used after a successful call. Every check runs before anything is
-    dispatched, so a call that raises leaves its arguments valid.
+    dispatched, so a call that raises leaves its arguments valid. ``static_argnums`` too:
+    those arguments are Python values the step is traced with (hashable; a mode, a flag), and
+    each set of their values is planned and compiled once.
 
     Raises:
       ValueError: for invalid options (here) or arguments (at the first call).
     """
     argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
     donated = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     options = Options(
         num_microbatches=num_microbatches,
         num_stages=num_stages,
@@ -192,6 +201,7 @@ def autoparallel(
         cost_cache=cost_cache,
         sharding=sharding,
         mesh_shape=None if mesh_shape is None else tuple(mesh_shape),
+        static_argnums=static,
     )
     if fn is None:
         return functools.partial(AutoParallel, options=options)
@@ -207,10 +217,15 @@ class AutoParallel:
         self._cache: dict[Any, driver.Executable] = {}
         self._pure: dict[Any, AutoParallel] = {}
         """Per NNX objects' positions and graph: the step as a pure function of their state."""
+        self._static: dict[Any, AutoParallel] = {}
+        """Per static arguments' values: the step as a function of the others."""
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         positional = self._positional(args, kwargs)
+        inner, rest, _ = self._static_bound(positional)
+        if inner is not self:
+            return inner(*rest)
         if nnx_support.object_positions(positional):
             pure, pure_args, objs = self._functional(positional)
             state, out = pure(*pure_args)
@@ -258,6 +273,9 @@ class AutoParallel:
         pipeline, so the step itself is slower than a normal call.
         """
         positional = self._positional(args, kwargs)
+        inner, rest, _ = self._static_bound(positional)
+        if inner is not self:
+            return inner.timed(*rest)
         if nnx_support.object_positions(positional):
             pure, pure_args, objs = self._functional(positional)
             (state, out), measured = pure.timed(*pure_args)
@@ -292,6 +310,9 @@ class AutoParallel:
         every leaf on its stage's devices directly, rather than on one device first.
         """
         positional = self._positional(args, kwargs)
+        inner, rest, static = self._static_bound(positional)
+        if inner is not self:
+            return static_args.interleaved([None] * len(static), inner.input_shardings(*rest), static)
         positions = nnx_support.object_positions(positional)
         if positions:  # the objects' shardings as their state (nnx.State) holds them
             pure, pure_args, _ = self._functional(positional)
@@ -303,10 +324,35 @@ class AutoParallel:
     def executable(self, *args: Any, **kwargs: Any) -> driver.Executable:
         """The compiled program for these arguments (for inspection)."""
         positional = self._positional(args, kwargs)
+        inner, rest, _ = self._static_bound(positional)
+        if inner is not self:
+            return inner.executable(*rest)
         if nnx_support.object_positions(positional):
             pure, pure_args, _ = self._functional(positional)
             return pure.executable(*pure_args)
         return self._executable(positional)
+
+    def _static_bound(
+        self, positional: tuple[Any, ...]
+    ) -> tuple[AutoParallel, tuple[Any, ...], tuple[int, ...]]:
+        """With ``static_argnums``: the wrapped step with the static arguments bound to their
+        values (one per set of values), the other arguments, and the static positions;
+        otherwise this step and all arguments."""
+        if not self.options.static_argnums:
+            return self, positional, ()
+        n = len(positional)
+        static = static_args.positions(self.options.static_argnums, n)
+        key = (n, static_args.key(positional, static))
+        inner = self._static.get(key)
+        if inner is None:
+            options = dataclasses.replace(
+                self.options,
+                static_argnums=(),
+                batch_argnums=static_args.moved(self.options.batch_argnums, static, n, "batch_argnums"),
+                donate_argnums=static_args.moved(self.options.donate_argnums, static, n, "donate_argnums"),
+            )
+            inner = self._static[key] = AutoParallel(static_args.bound(self.fn, positional, static), options)
+        return inner, static_args.others(positional, static), static
 
     def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The step's arguments by position (``batch_argnums`` and ``donate_argnums`` count
