@@ -347,6 +347,31 @@ def test_whole_batch_values_outside_the_gradient_are_an_error_with_microbatches(
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
 
 
+@pytest.mark.parametrize(
+    "mix",
+    [
+        lambda x: 0.7 * x + 0.3 * jnp.roll(x, 1, axis=0),  # mixup with the next example
+        lambda x: (x - x.mean(0)) / (x.std(0) + 1e-6),  # standardised by batch statistics
+        lambda x: x + 0.1 * x[::-1],  # an example's mirror in the batch
+        lambda x: jnp.cumsum(x, axis=0) / 16,
+        lambda x: x + 0.01 * jnp.sort(x, axis=0),
+    ],
+    ids=["roll", "statistics", "rev", "cumsum", "sort"],
+)
+def test_code_before_the_gradient_that_combines_examples_is_an_error_with_microbatches(mix):
+    """Run per microbatch, it would see one microbatch's examples: not jax.jit's result."""
+    step, state, batch = _mlp_step()
+
+    def mixed(state, batch):
+        return step(state, {**batch, "x": mix(batch["x"])})
+
+    with pytest.raises(ValueError, match=r"code before the gradient combines examples .*num_microbatches=2"):
+        autopar.autoparallel(mixed, num_stages=2, num_microbatches=2)(state, batch)
+    ref, got = jax.jit(mixed)(state, batch), autopar.autoparallel(mixed, num_stages=2)(state, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+
+
 def test_arguments_by_keyword_and_numpy_int_options_are_taken_like_jit():
     step, state, batch = _mlp_step()
     par = autopar.autoparallel(step, num_stages=np.int64(2), num_microbatches=np.int32(2))

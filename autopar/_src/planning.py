@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, cost, profile, region_outputs, trace
+from autopar._src import compat, cost, example_mixing, profile, region_outputs, trace
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
 from autopar._src.schedule import ScheduleName
 
@@ -198,6 +198,7 @@ def per_example_outputs(
         dims[i] = grown[0]
     # Code reading the per-example outputs is refused later, naming the output.
     seeds = (_batch_values(step, batch_ids, dims), _batch_values(whole, batch_ids, dims))
+    example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches)
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
     return dims

@@ -1,0 +1,122 @@
+"""Code before the gradient that mixes examples, refused with microbatches.
+
+What the step computes from the batch before the loss function runs per microbatch, inside the
+first stage's forward (:mod:`~autopar._src.partition`). That is ``jax.jit``'s result only where
+each example's values are made from that example alone. An equation that combines examples
+(a batch statistic such as ``x.mean(0)``, a partner from another example as mixup's
+``jnp.roll(x, 1, 0)``, a sort or cumulative sum along the batch, every example against every
+other) would see one microbatch's examples, so its values, and the loss, would differ from the
+whole batch's, silently. The step traced at one microbatch and at the whole batch tell the
+per-example dims apart: a dim ``num_microbatches`` times longer in the second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from autopar._src import compat
+from autopar._src.trace import TracedStep
+
+_ALONG = {"rev": "dimensions", "sort": "dimension", "cumsum": "axis", "cumprod": "axis"}
+_ALONG.update({"cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis"})
+"""Primitives that order or accumulate along the dims a param names."""
+
+
+def require_examples_apart(step: TracedStep, whole: TracedStep, batch_ids: Sequence[int], nmb: int) -> None:
+    """Raises if an equation before the grad region combines examples of the batch (see the
+    module's docstring); ``step`` is traced at one microbatch, ``whole`` at the whole batch.
+
+    Raises:
+      ValueError: naming the equation and its source line.
+    """
+    at, at_whole = step.region_index(), whole.region_index()
+    if at is None or at_whole is None:
+        return
+    mine, theirs = step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at_whole]
+    if len(mine) != len(theirs) or any(
+        q.primitive is not r.primitive for q, r in zip(mine, theirs, strict=True)
+    ):
+        return  # code that changes with the batch size: equation by equation says nothing
+    # Only what reaches the loss function: a value returned from the step is refused by name
+    # (partition), one the update reads after the gradient too.
+    needed = {a for a in step.jaxpr.eqns[at].invars if not compat.is_literal(a)}
+    feeding = set()
+    for k in reversed(range(len(mine))):
+        if any(v in needed for v in mine[k].outvars if not compat.is_dropvar(v)):
+            feeding.add(k)
+            needed.update(a for a in mine[k].invars if not compat.is_literal(a))
+    tainted = {step.arg_vars[i] for i in batch_ids}
+    for k, (e, other) in enumerate(zip(mine, theirs, strict=True)):
+        if not any(not compat.is_literal(a) and a in tainted for a in e.invars):
+            continue
+        tainted.update(v for v in e.outvars if not compat.is_dropvar(v))
+        found = _mixing(e, other, nmb) if k in feeding else None
+        if found is not None:
+            raise ValueError(
+                f"The step's code before the gradient combines examples (at {compat.source_line(found)}: "
+                f"{str(found).splitlines()[0]!r}): with num_microbatches={nmb} it runs per microbatch "
+                "and would see only that microbatch's examples, so what it makes (a batch statistic, "
+                "another example's values as mixup's partner) would not be the whole batch's. Do it "
+                "in the data pipeline, inside the loss function (where batch statistics are per "
+                "microbatch, as BatchNorm's), or use num_microbatches=1."
+            )
+
+
+def _mixing(e: Any, other: Any, nmb: int) -> Any:
+    """``e`` or the equation inside its body that combines examples (``other``: its twin at the
+    whole batch), or None."""
+    body, twin = compat.operand_body(e), compat.operand_body(other)
+    if body is not None and twin is not None:
+        if len(body.eqns) != len(twin.eqns):
+            return None
+        pairs = zip(body.eqns, twin.eqns, strict=True)
+        return next((found for q, r in pairs if (found := _mixing(q, r, nmb)) is not None), None)
+    ins = [
+        _per_example(a, b, nmb)
+        for a, b in zip(e.invars, other.invars, strict=True)
+        if not compat.is_literal(a)
+    ]
+    outs = [_per_example(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)]
+    most_in = max((len(d) for d in ins), default=0)
+    if most_in == 0:
+        return None
+    if any(len(d) < most_in for d in outs) or any(len(d) > most_in for d in outs):
+        return e  # reduced over the examples, or every example against every other
+    operand = ins[0] if ins else set()
+    name, p = e.primitive.name, e.params
+    if name in _ALONG:
+        dims = p[_ALONG[name]]
+        dims = dims if isinstance(dims, tuple | list) else (dims,)
+        return e if any(d % len(_shape(e.invars[0])) in operand for d in dims) else None
+    if name == "slice":
+        full = _shape(e.invars[0])
+        strides = p["strides"] or (1,) * len(full)
+        kept = all(
+            (p["start_indices"][d], p["limit_indices"][d], strides[d]) == (0, full[d], 1) for d in operand
+        )
+        return None if kept else e
+    if name in ("dynamic_slice", "gather", "pad"):
+        full = _shape(e.invars[0])
+        if name == "pad":
+            whole_dims = [tuple(p["padding_config"][d]) == (0, 0, 0) for d in operand]
+        elif name == "dynamic_slice":
+            whole_dims = [p["slice_sizes"][d] == full[d] for d in operand]
+        else:  # indices with a per-example dim pick each example's own row (take_along_axis)
+            batching = set(getattr(p["dimension_numbers"], "operand_batching_dims", ()))
+            aligned = len(ins) > 1 and bool(ins[1])
+            whole_dims = [aligned or d in batching or p["slice_sizes"][d] == full[d] for d in operand]
+        return None if all(whole_dims) else e
+    return None
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def _per_example(v: Any, w: Any, nmb: int) -> set[int]:
+    """The dims of ``v`` that are ``nmb`` times longer in ``w``, its whole batch's twin."""
+    a, b = _shape(v), _shape(w)
+    if len(a) != len(b):
+        return set()
+    return {d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y and x * nmb == y}
