@@ -228,6 +228,7 @@ def eval_with_boundaries(
     for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args), strict=True):
         env[v] = x
     live = dict(zip(cuts, live_across(jaxpr, cuts), strict=True))
+    later = compat.last_reads(jaxpr)
     i, n = 0, len(jaxpr.eqns)
     while i < n:
         if i in live:
@@ -235,9 +236,9 @@ def eval_with_boundaries(
             outs = boundary_p.bind(*[env[v] for v in live[i]], index=index, kind="fwd")
             env.update(zip(live[i], outs, strict=True))
         # A layer's segments of one rematerialised call are rematerialised together.
-        end = remat_split.merge_run(jaxpr.eqns, i, min([c for c in cuts if c > i], default=n))
+        end = remat_split.merge_run(jaxpr.eqns, i, cuts)
         if end > i:
-            remat_split.merged(jaxpr, i, end, env, lambda body, c, xs: inline_calls(body, c, xs))
+            remat_split.merged(jaxpr, i, end, env, later, lambda body, c, xs: inline_calls(body, c, xs))
             i = end
             continue
         eqn = jaxpr.eqns[i]

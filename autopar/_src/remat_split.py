@@ -75,25 +75,24 @@ def split(eqn: Any, invals: Sequence[Any], run: Run) -> list[Any]:
     return [compat.literal_value(a) if compat.is_literal(a) else env[a] for a in jaxpr.outvars]
 
 
-def merge_run(eqns: Sequence[Any], start: int, stop: int) -> int:
-    """The end of the run of segments of one call that starts at ``eqns[start]`` and ends before
-    ``stop`` (``start`` itself if ``eqns[start]`` is no segment)."""
+def merge_run(eqns: Sequence[Any], start: int, cuts: Sequence[int]) -> int:
+    """The end of the run of segments of one call that starts at ``eqns[start]``, within its
+    layer (before the next of ``cuts``); ``start`` itself if ``eqns[start]`` is no segment."""
     policy = _segment_policy(eqns[start])
-    end = start
     if policy is None:
-        return end
-    while end + 1 < stop and _segment_policy(eqns[end + 1]) is not None:
-        if _segment_policy(eqns[end + 1]).origin != policy.origin:  # type: ignore[union-attr]
-            break
+        return start
+    stop = min([c for c in cuts if c > start], default=len(eqns))
+    end = start + 1
+    while end < stop and getattr(_segment_policy(eqns[end]), "origin", None) == policy.origin:
         end += 1
-    return end + 1
+    return end
 
 
-def merged(jaxpr: Any, start: int, end: int, env: dict[Any, Any], run: Run) -> None:
+def merged(jaxpr: Any, start: int, end: int, env: dict[Any, Any], later: dict[Any, int], run: Run) -> None:
     """Binds the segments ``jaxpr.eqns[start:end]`` (of one call) as one ``jax.checkpoint`` with
-    the call's own policy, reading and writing values in ``env`` (use under tracing)."""
+    the call's own policy, reading and writing values in ``env`` (``later``: each value's last
+    reader, :func:`compat.last_reads`; use under tracing)."""
     group = jaxpr.eqns[start:end]
-    later = compat.last_reads(jaxpr)
     ins = _inputs(group)
     outs = [v for v in _defined(group) if later.get(v, -1) >= end]
     policy = _segment_policy(group[0])
