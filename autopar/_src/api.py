@@ -312,7 +312,7 @@ class AutoParallel:
         positional = self._positional(args, kwargs)
         inner, rest, static = self._static_bound(positional)
         if inner is not self:
-            return static_args.interleaved([None] * len(static), inner.input_shardings(*rest), static)
+            return nnx_support.interleaved([None] * len(static), inner.input_shardings(*rest), static)
         positions = nnx_support.object_positions(positional)
         if positions:  # the objects' shardings as their state (nnx.State) holds them
             pure, pure_args, _ = self._functional(positional)

@@ -80,12 +80,3 @@ def moved(argnums: tuple[int, ...], static: tuple[int, ...], num_args: int, what
             )
         result.append(p - sum(1 for s in static if s < p) if 0 <= p < num_args else p)
     return tuple(result)
-
-
-def interleaved(values: Sequence[Any], entries: Sequence[Any], static: tuple[int, ...]) -> tuple[Any, ...]:
-    """All arguments' entries again: ``values[k]`` at ``static[k]``, ``entries`` in order around
-    them."""
-    rest = iter(entries)
-    return tuple(
-        values[static.index(i)] if i in static else next(rest) for i in range(len(static) + len(entries))
-    )
