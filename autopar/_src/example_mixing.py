@@ -73,11 +73,11 @@ def _mixing(e: Any, other: Any, nmb: int) -> Any:
         pairs = zip(body.eqns, twin.eqns, strict=True)
         return next((found for q, r in pairs if (found := _mixing(q, r, nmb)) is not None), None)
     ins = [
-        _per_example(a, b, nmb)
+        per_example_dims(a, b, nmb)
         for a, b in zip(e.invars, other.invars, strict=True)
         if not compat.is_literal(a)
     ]
-    outs = [_per_example(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)]
+    outs = [per_example_dims(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)]
     most_in = max((len(d) for d in ins), default=0)
     if most_in == 0:
         return None
@@ -114,7 +114,7 @@ def _shape(v: Any) -> tuple[int, ...]:
     return tuple(getattr(v.aval, "shape", ()))
 
 
-def _per_example(v: Any, w: Any, nmb: int) -> set[int]:
+def per_example_dims(v: Any, w: Any, nmb: int) -> set[int]:
     """The dims of ``v`` that are ``nmb`` times longer in ``w``, its whole batch's twin."""
     a, b = _shape(v), _shape(w)
     if len(a) != len(b):

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import batch_scaling, compat, dependence, layers, partial_chains
+from autopar._src import batch_scaling, compat, dependence, example_mixing, layers, partial_chains
 from autopar._src.program import Op
 from autopar._src.trace import TracedStep
 
@@ -366,23 +366,12 @@ def _pairing(e: Any, other: Any, nmb: int) -> Any:
         return None
     if not any(batch_scaling.is_float(v) for v in e.outvars):
         return None
+    dims = example_mixing.per_example_dims
     operands = [
-        _per_example_dims(a, b, nmb)
-        for a, b in zip(e.invars, other.invars, strict=True)
-        if not compat.is_literal(a)
+        len(dims(a, b, nmb)) for a, b in zip(e.invars, other.invars, strict=True) if not compat.is_literal(a)
     ]
-    made = max(
-        (_per_example_dims(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)), default=0
-    )
+    made = max((len(dims(v, w, nmb)) for v, w in zip(e.outvars, other.outvars, strict=True)), default=0)
     return e if made >= 2 and max(operands, default=0) < 2 else None
-
-
-def _per_example_dims(v: Any, w: Any, nmb: int) -> int:
-    """How many dims of ``v`` are ``nmb`` times longer in ``w``, its whole batch's twin."""
-    a, b = getattr(v.aval, "shape", ()), getattr(w.aval, "shape", ())
-    if len(a) != len(b):
-        return 0
-    return sum(1 for x, y in zip(a, b, strict=True) if x != y and x * nmb == y)
 
 
 def _value(literal: Any) -> Any:
