@@ -326,23 +326,56 @@ def test_donated_state_the_step_returns_unchanged_stays_alive():
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["adamw"])
 
 
-@pytest.mark.parametrize("where", ["before", "after"])
-def test_whole_batch_values_outside_the_gradient_are_an_error_with_microbatches(where):
+@pytest.mark.parametrize("where", ["before", "feeding", "after"])
+def test_whole_batch_values_outside_the_gradient_equal_jit_with_microbatches(where):
+    """What the step makes from the batch outside the loss function for its outputs or after the
+    gradient runs once per step at the whole batch, as jax.jit runs it; what also feeds the loss
+    runs per microbatch as well."""
     step, state, batch = _mlp_step()
 
     def counted(state, batch):
-        if where == "before":  # returned: it would be one microbatch's count
+        if where == "before":  # returned: one microbatch's count, were it made per microbatch
             count = jnp.sum(batch["x"] > 0)
             return *step(state, batch), count
+        if where == "feeding":
+            x = jnp.abs(batch["x"])
+            new, loss = step(state, {**batch, "x": x})
+            return new, loss, jnp.sum(x > 0.5)
         new, loss = step(state, batch)
         scale = jnp.mean(batch["x"] ** 2)  # read by the update
         return new.replace(params=jax.tree.map(lambda p: p * scale, new.params)), loss
 
-    before = "Output \\[2\\] of the step .* before the gradient"
-    message = before if where == "before" else "after the gradient"
-    with pytest.raises(ValueError, match=f"{message} \\(at .*test_features.py:.*num_microbatches=2"):
-        autopar.autoparallel(counted, num_stages=2, num_microbatches=2)(state, batch)
-    ref, got = jax.jit(counted)(state, batch), autopar.autoparallel(counted, num_stages=2)(state, batch)
+    batches = [batch, jax.tree.map(lambda x: x[::-1] * 0.5 if x.dtype == np.float32 else x, batch)]
+    par = autopar.autoparallel(counted, num_stages=2, num_microbatches=4)
+    state_par = state_ref = state
+    for b in batches:
+        (state_par, *out_par), (state_ref, *out_ref) = par(state_par, b), jax.jit(counted)(state_ref, b)
+        for a, r in zip(
+            jax.tree.leaves((state_par, out_par)), jax.tree.leaves((state_ref, out_ref)), strict=True
+        ):
+            assert a.shape == r.shape and a.dtype == r.dtype
+            np.testing.assert_allclose(as_numpy(a), as_numpy(r), **TOLERANCES["sgd"])
+    if where == "before":  # the whole batch's count, not a microbatch's
+        assert int(out_par[-1]) == int(np.sum(batches[-1]["x"] > 0)) > int(np.sum(batches[-1]["x"][:4] > 0))
+    if where == "feeding":
+        assert int(out_par[-1]) == int(np.sum(np.abs(batches[-1]["x"]) > 0.5))
+    assert par.plan(state, batch).num_microbatches == 4
+
+
+def test_whole_batch_code_that_changes_with_the_batch_size_is_an_error_with_microbatches():
+    step, state, batch = _mlp_step()
+
+    def shaped(state, batch):
+        new, loss = step(state, batch)
+        x = batch["x"]
+        if x.shape[0] > 8:  # Python that sees the batch size: another equation for the whole batch
+            x = jnp.tanh(x)
+        return new, loss, jnp.mean(x)
+
+    differs = r"computes reduce_sum from the batch outside the loss function \(at .*test_features.py"
+    with pytest.raises(ValueError, match=differs + r".*num_microbatches=2 in more than shapes"):
+        autopar.autoparallel(shaped, num_stages=2, num_microbatches=2)(state, batch)
+    ref, got = jax.jit(shaped)(state, batch), autopar.autoparallel(shaped, num_stages=2)(state, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
 

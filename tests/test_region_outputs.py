@@ -346,28 +346,38 @@ def test_gradients_of_batch_inputs_are_concatenated_over_microbatches():
     assert out[1].shape == batches[0]["x"].shape
 
 
-def test_the_batch_shape_read_outside_the_loss_function_is_an_error():
-    # An examples-seen counter: outside the loss function the step is traced at one
-    # microbatch, so x.shape[0] there would count a quarter of the batch.
+def test_the_batch_shape_read_outside_the_loss_function_is_the_whole_batchs_or_an_error():
+    # An examples-seen counter. Outside the loss function the step is traced at one microbatch:
+    # after the gradient that code runs at the whole batch (jit's count), before it (where what
+    # it makes could feed the loss) x.shape[0] would count a quarter of the batch.
     config = train.tiny_config("mlp")
     state = train.linen_state("mlp", config, optax.sgd(0.1))
     inner = _aux_step(lambda logits, y: logits.mean())
 
-    def step(state_and_seen, batch):
+    def counted_after(state_and_seen, batch):
         state, seen = state_and_seen
         state, out = inner(state, batch)
         return (state, seen + batch["x"].shape[0]), out
 
+    def counted_before(state_and_seen, batch):
+        state, seen = state_and_seen
+        seen = seen + batch["x"].shape[0]
+        return (*inner(state, batch)[:1], seen), seen
+
     batch = train.make_batch("mlp", config, BATCH)
     state = (state, jnp.zeros((), jnp.int32))
+    _assert_outputs_as_jit(counted_after, state, [batch, batch], num_stages=2, num_microbatches=4)
+    par = autopar.autoparallel(counted_after, num_stages=2, num_microbatches=4)
+    assert int(par(state, batch)[0][1]) == BATCH
     outside = (
         r"outside the loss function differs .* \(at .*test_region_outputs.*'a:i32\[\] = add b 4:i32\[\]'"
     )
     with pytest.raises(
         ValueError, match=outside + r" for one of num_microbatches=4, .*16:i32.* for the batch"
     ):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
-    _assert_outputs_as_jit(step, state, [batch], num_stages=2, num_microbatches=1)  # one microbatch: fine
+        autopar.autoparallel(counted_before, num_stages=2, num_microbatches=4)(state, batch)
+    one = autopar.autoparallel(counted_before, num_stages=2, num_microbatches=1)  # one microbatch: fine
+    assert int(one(state, batch)[1]) == BATCH
 
     # Per-microbatch code may depend on the microbatch's shape (here: a loop over its rows).
     def rowwise(state_and_seen, batch):
@@ -478,11 +488,23 @@ def test_aux_outputs_neither_reduced_nor_per_example_are_an_error():
     shapes = r"Aux output 0 .* float32\[16,16\] for the batch but float32\[8,8\]"
     with pytest.raises(ValueError, match=shapes):
         autopar.autoparallel(pairs, num_stages=2, num_microbatches=2)(state, batch)
-    # Per example, but read after the gradient, where the step was traced at one microbatch.
-    read_after = _aux_step(lambda logits, y: logits, after=lambda logits: logits.max())
-    after_gradient = r"Aux output 0 .*reads it after the gradient \(at .*test_region_outputs"
-    with pytest.raises(ValueError, match=after_gradient):
-        autopar.autoparallel(read_after, num_stages=2, num_microbatches=2)(state, batch)
+
+
+def test_per_example_aux_outputs_read_after_the_gradient_are_read_whole():
+    """Code after the gradient that reads the logits (and the labels) runs once per step at the
+    whole batch, on the microbatches' logits joined: an accuracy, the batch's largest logit, the
+    count of correct predictions (an integer) are jax.jit's."""
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+
+    def step(state, batch):
+        new, (loss, logits) = _aux_step(lambda logits, y: logits)(state, batch)
+        right = jnp.argmax(logits, -1) == batch["y"]
+        return new, (loss, jnp.mean(right), jnp.sum(right), logits.max(), jnp.argmax(logits, -1))
+
+    out = _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+    assert out[2].dtype == jnp.int32 and out[4].shape == (BATCH,)
 
 
 def test_a_sum_of_values_made_in_several_tasks_is_split_per_task():

@@ -379,6 +379,40 @@ def test_sharpness_aware_minimization_pipelines_its_second_gradient(first):
     assert len(par.plan(params, batches[0]).stages) == 2
 
 
+def test_lbfgs_evaluating_the_loss_again_in_its_update_equals_jit_over_microbatches():
+    """``optax.lbfgs``'s line search calls the loss function again, on the batch, after the
+    gradient: that runs once per step at the whole batch, while the gradient is pipelined."""
+    net = Regressor()
+    params = net.init(jax.random.key(0), jnp.ones((8, 4)))["params"]
+    opt = optax.lbfgs()
+
+    def mse(params, batch):
+        return jnp.mean((net.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
+    def step(params, opt_state, batch):
+        loss, grads = autopar.value_and_grad(mse)(params, batch)
+        updates, opt_state = opt.update(
+            grads, opt_state, params, value=loss, grad=grads, value_fn=lambda p: mse(p, batch)
+        )
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(4)
+    batches = [
+        {"x": rng.normal(size=(16, 4)).astype(np.float32), "y": rng.normal(size=16).astype(np.float32)}
+        for _ in range(3)
+    ]
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=4, batch_argnums=2)
+    mine = theirs = (params, opt.init(params))
+    for batch in batches:
+        *mine, loss = par(*mine, batch)
+        *theirs, loss_ref = jax.jit(step)(*theirs, batch)
+        np.testing.assert_allclose(np.asarray(loss), np.asarray(loss_ref), **TOLERANCES["sgd"])
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+    plan = par.plan(*mine, batches[0])
+    assert len(plan.stages) == 2 and plan.num_microbatches == 4
+
+
 class GraphNet(nnx.Module):
     """With ``exact``: no BatchNorm and no dropout, so equal to ``nnx.jit`` with microbatches."""
 
@@ -414,9 +448,8 @@ def test_an_nnx_step_that_updates_its_objects_in_place_equals_nnx_jit(num_microb
     def objects():
         model = GraphNet(nnx.Rngs(0, dropout=1), exact=num_microbatches > 1)
         optimizer = nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-5), wrt=nnx.Param)
-        # Accuracy reads the per-example logits after the gradient: one microbatch's with more.
-        accuracy = {"accuracy": nnx.metrics.Accuracy()} if num_microbatches == 1 else {}
-        metrics = nnx.MultiMetric(**accuracy, loss=nnx.metrics.Average("loss"))
+        # Accuracy reads the per-example logits after the gradient: at the whole batch.
+        metrics = nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss"))
         return model, optimizer, metrics
 
     rng = np.random.default_rng(5)

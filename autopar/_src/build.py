@@ -105,7 +105,9 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
         )
         meshes = driver.stage_meshes(plan, devices)
         mb = batch_size // plan.num_microbatches if batch_size else 0
-        program = partition.build_program(step, plan, batch_ids, mb, per_example, drawing)
+        program = partition.build_program(
+            step, plan, batch_ids, mb, per_example, drawing, whole_batch(tuple(plan.cuts)) if multi else None
+        )
         # The memory model's parts of each layer (none for a step without autopar's gradient).
         prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None
         try:

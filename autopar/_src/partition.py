@@ -26,16 +26,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar._src import compat, cost, fusion, layers, microbatch_keys, region_outputs, schedule
+from autopar._src import compat, cost, fusion, layers, microbatch_keys, region_outputs, schedule, whole_batch
 from autopar._src.plan import Plan
 from autopar._src.program import Key, Location, Op, Program, Run, Task, Transfer
 from autopar._src.trace import TracedStep
-
-_WHOLE_BATCH_FIX = (
-    "Compute it from the batch outside the step, return it as aux from the loss function "
-    "(has_aux=True; averaged over microbatches if reduced over the batch, concatenated if per "
-    "example), or use num_microbatches=1."
-)
 
 
 def _is_var(a: Any) -> bool:
@@ -99,6 +93,7 @@ def build_program(
     microbatch_size: int,
     per_example: Mapping[int, int] | None = None,
     drawing: frozenset[int] = frozenset(),
+    whole: TracedStep | None = None,
 ) -> Program:
     """Partitions a traced step according to ``plan``.
 
@@ -107,41 +102,36 @@ def build_program(
     concatenated, as one value of the whole batch's shape; the other region outputs are
     averaged. ``drawing`` (:func:`autopar._src.microbatch_keys.drawing_per_example`) names the
     region inputs from which the loss draws random values per example: such a PRNG key is
-    folded with each microbatch's index.
+    folded with each microbatch's index. ``whole`` is the step traced at the whole batch, for
+    the code outside the region that needs the whole batch (:mod:`~autopar._src.whole_batch`);
+    without it, with several microbatches, that code is left out (a program whose pipeline tasks
+    alone are timed).
 
     Raises:
-      ValueError: if an output computed from the batch outside the gradient
-        region would need the whole batch while it is split into microbatches, or the step
-        reads a per-example region output after the gradient.
+      ValueError: if code outside the region that needs the whole batch differs between the
+        whole batch and one microbatch in more than shapes.
     """
     jaxpr = step.jaxpr
     eqns = jaxpr.eqns
     nmb = plan.num_microbatches
     region_at = step.region_index()
 
-    # Which vars hold one value per microbatch: the batch and what derives from it
-    # outside the region (the region's outputs are averaged, so once per step).
+    # Which vars hold one value per microbatch: the batch and what derives from it before the
+    # region (the region's outputs are averaged, so once per step). With several microbatches,
+    # what the step makes from the batch after the region, or returns from before it, runs
+    # once per step at the whole batch instead.
     batch_vars = {step.arg_vars[i] for i in batch_leaf_ids}
     per_mb: set[Any] = set(batch_vars)
     for i, eqn in enumerate(eqns):
         if i != region_at and any(a in per_mb for a in _eqn_invars(eqn)):
             if region_at is not None and i > region_at and nmb > 1:
-                raise ValueError(
-                    f"The step computes {eqn.primitive.name} from the batch after the gradient "
-                    f"(at {compat.source_line(eqn)}), which needs the whole batch, but it is split "
-                    f"into num_microbatches={nmb}. {_WHOLE_BATCH_FIX}"
-                )
+                continue
             per_mb.update(_eqn_outvars(eqn))
-    if nmb > 1:
-        for path, v in zip(step.output_paths(), jaxpr.outvars, strict=True):
-            if _is_var(v) and v in per_mb and v not in batch_vars:
-                made = next(e for e in eqns if v in e.outvars)
-                raise ValueError(
-                    f"Output {path} of the step ({v.aval.str_short()}) is computed from the batch "
-                    f"before the gradient (at {compat.source_line(made)}): with the batch split "
-                    f"into num_microbatches={nmb} it would be one microbatch's value, not the whole "
-                    f"batch's. {_WHOLE_BATCH_FIX}"
-                )
+    joined: dict[Any, region_outputs.Joined] = {}  # per-example region outputs: their whole-batch value
+    at_whole = whole_batch.NONE
+    if region_at is not None and nmb > 1:
+        joined = region_outputs.joined_outputs(step, per_example or {}, nmb)
+        at_whole = whole_batch.find(step, whole, per_mb, joined, nmb)
 
     def okey(a: Any, j: int | None) -> Any:
         if not _is_var(a):
@@ -154,7 +144,6 @@ def build_program(
     # (stage, pass) -> (the region values it adds up, region output or part) to accumulate
     acc_specs: dict[tuple[int, str], list[tuple[tuple[Any, ...], Any]]] = {}
     gradients: set[Any] = set()  # accumulated sums that are the gradients themselves
-    joined: dict[Any, region_outputs.Joined] = {}  # per-example region outputs: their whole-batch value
     splits: dict[Any, region_outputs.SplitSum] = {}  # region outputs added up once per step
     made_in: dict[Any, tuple[int, str]] = {}  # region values: the (stage, pass) that makes them
     producer_stage: dict[Any, int] = {}
@@ -187,7 +176,6 @@ def build_program(
                 if a in rmap and _is_var(rmap[a]):
                     consumer_stages.setdefault(rmap[a], set()).add(where[0])
         last_fwd = (plan.num_stages - 1, "F")
-        joined = region_outputs.joined_outputs(step, per_example or {}, nmb)
         pairs = [
             (rv, ov)
             for rv, ov in zip(rj.outvars, region.outvars, strict=True)
@@ -216,6 +204,11 @@ def build_program(
 
     # Stages of the equations outside the region.
     outer = [i for i in range(len(eqns)) if i != region_at]
+
+    def reads(i: int) -> list[Any]:
+        """What equation ``i`` reads where it runs: at the whole batch, not the microbatches."""
+        return [a for a in _eqn_invars(eqns[i]) if i not in at_whole or a not in per_mb]
+
     stage_of: dict[int, int] = {}
     for i in outer:
         if region_at is not None and i > region_at:
@@ -225,7 +218,7 @@ def build_program(
                 for v in _eqn_outvars(eqns[i]):
                     producer_stage[v] = st
     for i in stage_of:
-        for a in _eqn_invars(eqns[i]):
+        for a in reads(i):
             consumer_stages.setdefault(a, set()).add(stage_of[i])
     for i in reversed(outer):
         if i in stage_of:
@@ -237,16 +230,19 @@ def build_program(
         after = region_at is not None and i > region_at
         st = min(stages) if stages else (plan.num_stages - 1 if after else 0)
         stage_of[i] = st
-        for a in _eqn_invars(eqns[i]):
+        for a in reads(i):
             consumer_stages.setdefault(a, set()).add(st)
 
-    # Per-microbatch equations before the region run inside the forward tasks.
+    # Per-microbatch equations before the region run inside the forward tasks, but for those
+    # that only make values for the code at the whole batch.
     in_forward = {
         i
         for i in outer
         if region_at is not None and i < region_at and any(v in per_mb for v in _eqn_outvars(eqns[i]))
     }
-    once = [i for i in outer if i not in in_forward]
+    if at_whole.again:
+        in_forward -= set(at_whole.again) - whole_batch.feeding(step, in_forward)
+    once = [i for i in outer if i not in in_forward and i not in at_whole.again]
     # made_by[var] = (level, stage) of the once-per-step op that makes it. Region
     # outputs are finished (averaged) at level 0 of the post phase on their stage.
     made_by: dict[Any, tuple[int, int]] = {
@@ -289,7 +285,13 @@ def build_program(
         post_groups.setdefault(made_by[ov], []).append(split.combine())
     for i in once:
         groups = pre_groups if region_at is None or i < region_at else post_groups
-        groups.setdefault((level[i], stage_of[i]), []).append(outer_op(i, None))
+        op = at_whole.ops.get(i) if i in at_whole else outer_op(i, None)
+        if op is not None:
+            groups.setdefault((level[i], stage_of[i]), []).append(op)
+    if at_whole.ops:
+        group = {i: (level[i], stage_of[i]) for i in at_whole.after}
+        for g, ops in whole_batch.input_ops(step, at_whole, group, per_mb, plan.num_stages - 1).items():
+            post_groups[g] = ops + post_groups.get(g, [])
     for key, f in folded.items():  # on the key's first reader, once the key is made
         st = min(consumer_stages[key])
         made = made_by.get(key)
@@ -330,7 +332,12 @@ def build_program(
         tasks += once_tasks("post", post_groups)
 
     tasks = _fuse_adjacent(tasks)
-    output_keys = tuple(okey(joined[a].var if _is_var(a) and a in joined else a, None) for a in jaxpr.outvars)
+    output_keys = tuple(
+        at_whole.keys[a]
+        if _is_var(a) and a in at_whole.keys
+        else okey(joined[a].var if _is_var(a) and a in joined else a, None)
+        for a in jaxpr.outvars
+    )
     return _wire(tasks, output_keys, per_mb, microbatch_size)
 
 

@@ -214,10 +214,11 @@ def _batch_values(step: trace.TracedStep, batch_ids: Sequence[int], dims: dict[i
 def _require_batch_free_once_per_step(
     steps: tuple[trace.TracedStep, trace.TracedStep], seeds: tuple[set[Any], set[Any]], num_microbatches: int
 ) -> None:
-    """Checks that the equations outside the grad region that read no value of one microbatch
+    """Checks that the equations before the grad region that read no value of one microbatch
     (``seeds`` and what derives from them) are the same in the step traced at one microbatch
     as at the whole batch (``steps``): a batch shape read there (``x.shape[0]`` in an
-    examples-seen counter) would be one microbatch's."""
+    examples-seen counter) would be one microbatch's. The code after the region runs at the
+    whole batch where it differs (:mod:`~autopar._src.whole_batch`)."""
     mine, theirs = (_once_per_step(s, seed) for s, seed in zip(steps, seeds, strict=True))
     for k, eqn in enumerate(mine):
         other = theirs[k] if k < len(theirs) else None
@@ -255,13 +256,13 @@ def _require_batch_free_once_per_step(
 
 
 def _once_per_step(step: trace.TracedStep, seeds: set[Any]) -> list[Any]:
-    """The equations outside the grad region that read nothing derived from ``seeds`` (those
+    """The equations before the grad region that read nothing derived from ``seeds`` (those
     run per microbatch, at the microbatch's shape by design)."""
     derived, at = step.derived(seeds), step.region_index()
     return [
         e
-        for i, e in enumerate(step.jaxpr.eqns)
-        if i != at and not any(not compat.is_literal(a) and a in derived for a in e.invars)
+        for e in step.jaxpr.eqns[:at]
+        if not any(not compat.is_literal(a) and a in derived for a in e.invars)
     ]
 
 

@@ -44,28 +44,14 @@ def named(index: int, num_aux: int) -> str:
 
 def joined_outputs(step: TracedStep, per_example: Mapping[int, int], nmb: int) -> dict[Any, Joined]:
     """:class:`Joined` of each per-example output of the grad region (``per_example``: index
-    into its outputs -> batch dim).
-
-    Raises:
-      ValueError: if an equation after the region reads one (it was traced at one
-        microbatch's shape).
-    """
+    into its outputs -> batch dim). Code after the region that reads one runs at the whole batch
+    (:mod:`~autopar._src.whole_batch`)."""
     at = step.region_index()
     assert at is not None, "per-example outputs come from a gradient region"
     region = step.jaxpr.eqns[at]
-    num_aux = region.params["info"].num_aux
     joined = {}
     for i, axis in per_example.items():
         ov = region.outvars[i]
-        readers = [e for e in step.jaxpr.eqns[at + 1 :] if any(a is ov for a in e.invars)]
-        if readers:
-            raise ValueError(
-                f"{named(i, num_aux)} of the loss function ({ov.aval.str_short()} per microbatch) holds "
-                f"a value per example, and the step reads it after the gradient (at "
-                f"{compat.source_line(readers[0])}): with num_microbatches={nmb} that would see one "
-                "microbatch. Compute what you need from it inside the loss function and return "
-                "that as aux (reduced over the batch, or per example), or return it unchanged."
-            )
         shape = list(ov.aval.shape)
         shape[axis] *= nmb
         var = compat.Var(ov.aval.update(shape=tuple(shape)))
