@@ -26,7 +26,17 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from autopar._src import compat, cost, fusion, layers, microbatch_keys, region_outputs, schedule, whole_batch
+from autopar._src import (
+    batch_statistics,
+    compat,
+    cost,
+    fusion,
+    layers,
+    microbatch_keys,
+    region_outputs,
+    schedule,
+    whole_batch,
+)
 from autopar._src.plan import Plan
 from autopar._src.program import Key, Location, Op, Program, Run, Task, Transfer
 from autopar._src.trace import TracedStep
@@ -150,6 +160,9 @@ def build_program(
     consumer_stages: dict[Any, set[int]] = {}
     rkey = None
     folded: dict[Any, microbatch_keys.Folded] = {}
+    # The loss function's figures of the batch alone (a masked mean's count), made once per step
+    # from the whole batch and read by every microbatch in place of its own.
+    stats = batch_statistics.NONE
     if region_at is not None:
         region = eqns[region_at]
         info = region.params["info"]
@@ -158,6 +171,8 @@ def build_program(
 
         # With several microbatches each reads its own fold of a once-per-step PRNG key.
         folded = microbatch_keys.keys_to_fold(rj, rmap, per_mb, drawing) if nmb > 1 else {}
+        if nmb > 1 and whole is not None:
+            stats = batch_statistics.find(step, whole, batch_vars, nmb)
 
         def rkey(a: Any, j: int) -> Any:  # noqa: F811
             if not _is_var(a):
@@ -292,6 +307,8 @@ def build_program(
         group = {i: (level[i], stage_of[i]) for i in at_whole.after}
         for g, ops in whole_batch.input_ops(step, at_whole, group, per_mb, plan.num_stages - 1).items():
             post_groups[g] = ops + post_groups.get(g, [])
+    if stats.values:  # from the batch's microbatches alone, on the first stage that reads them
+        pre_groups.setdefault((0, min(made_in[v][0] for v in stats.values)), []).extend(stats.ops)
     for key, f in folded.items():  # on the key's first reader, once the key is made
         st = min(consumer_stages[key])
         made = made_by.get(key)
@@ -314,14 +331,14 @@ def build_program(
             if t.pass_ == "F":
                 ops += [outer_op(i, j) for i in sorted(in_forward) if stage_of[i] == t.stage]
             for e in stage_ops.get(where, []):
-                ops.append(
-                    Op(
-                        kind="eqn",
-                        eqn=e,
-                        ins=tuple(rkey(a, j) for a in e.invars),
-                        outs=tuple(None if compat.is_dropvar(v) else (v, j) for v in e.outvars),
-                    )
-                )
+                outs = tuple(None if compat.is_dropvar(v) or v in stats.values else (v, j) for v in e.outvars)
+                if any(k is not None for k in outs):
+                    ops.append(Op(kind="eqn", eqn=e, ins=tuple(rkey(a, j) for a in e.invars), outs=outs))
+                ops += [
+                    Op(kind="acc", mode="copy", ins=(stats.values[v],), outs=((v, j),))
+                    for v in _eqn_outvars(e)
+                    if v in stats.values
+                ]
             for (rv, *more), ov in acc_specs.get(where, []):
                 keys = [rkey(v, j) for v in more]
                 ops.append(region_outputs.accumulate(rkey(rv, j), ov, j, nmb, ov in joined, keys))

@@ -32,9 +32,11 @@ class Op:
     """For ``acc``: make a zero sum, add to it (one or more values), add up once-per-step
     values, pass a value on, divide the sum, join the microbatches' values of a per-example
     output, or make each microbatch's PRNG key."""
-    divisor: int = 1
-    """For ``acc`` in mode ``mean``: the number of microbatches to average over (1 for a
-    gradient, whose microbatches' values add up to it)."""
+    divisor: float = 1
+    """For ``acc`` in mode ``mean``: what the value is divided by: the number of microbatches to
+    average over (1 for a gradient, whose microbatches' values add up to it), or the factor
+    that makes a statistic of the whole batch one microbatch's share
+    (:mod:`~autopar._src.batch_statistics`)."""
     axis: int = 0
     """For ``acc`` in mode ``concat``: the batch dim to join along."""
     key_impl: str = ""

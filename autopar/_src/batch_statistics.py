@@ -1,0 +1,204 @@
+"""Statistics of the batch inside the loss function, computed from the whole batch.
+
+The loss function runs once per microbatch and the microbatches' losses are averaged. That is
+the whole batch's loss when the loss is a mean of per-example terms; it is not when those terms
+are weighed by a figure of the batch itself: a masked mean's token count (``sum(l * m) /
+sum(m)``: a microbatch holding more padding than another would count as much), inputs
+standardised by ``x.mean(0)``, scaled by ``x.max()``. Such a figure depends on the batch alone,
+not on what is differentiated, so it can be computed once per step from the whole batch, before
+the pipeline, and handed to every microbatch in place of its own: each microbatch then computes
+its share of ``jax.jit``'s loss.
+
+A *statistic* is a float value of the loss function's forward, at its top level, that
+
+- depends on the batch's leaves (and literals) alone: not on the differentiated or other inputs,
+  random draws or the backward's cotangents; made without loops or calls, whose reductions over
+  the batch :mod:`~autopar._src.batch_scaling` might not follow;
+- has no dim per example (the two traces, at one microbatch and at the whole batch, give it one
+  shape);
+- is read by an equation that makes something else (where the batch's figure meets the model
+  or the examples), a layer boundary, or the region's outputs.
+
+Its value at the whole batch comes from the twins of the equations that make it in the step
+traced at the whole batch, reading the batch's leaves joined from the microbatches. A sum over
+the examples (degree one in :mod:`~autopar._src.batch_scaling`) is handed over divided by the
+number of microbatches, so the microbatch sees what its share of the batch would sum to, and the
+average of the microbatches' losses is the whole batch's: for the masked mean, each microbatch
+computes ``num_microbatches * sum_j(l * m) / sum(m)``. One of degree ``d`` is divided by
+``num_microbatches ** d`` likewise (``1 / sum(m)`` multiplied); a mean, a maximum or one
+example's value (degree zero) is handed over as it is. A statistic whose degree the check does
+not follow, or is not a whole number, is left to each microbatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence, Set
+from typing import Any
+
+from autopar._src import batch_scaling, compat, dependence, example_mixing, layers
+from autopar._src.program import Key, Op
+from autopar._src.trace import TracedStep
+
+_DRAWS = ("random_", "threefry")
+"""Prefixes of the primitives that draw random values: a draw at the whole batch's shape is
+another than at one microbatch's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Statistics:
+    """The loss function's statistics of the batch and how to make them once per step."""
+
+    values: Mapping[Any, Key]
+    """Each statistic (a variable of the region's jaxpr at one microbatch) -> the once-per-step
+    key of the value each microbatch reads in its place."""
+    ops: tuple[Op, ...]
+    """The once-per-step ops making those values, in order: the batch's leaves joined, the
+    twins at the whole batch, the division of sums by the number of microbatches."""
+
+
+NONE = Statistics({}, ())
+
+
+def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) -> Statistics:
+    """The statistics of the grad region of ``step`` (traced at one of ``nmb`` microbatches;
+    ``whole``: at the whole batch, with the same cuts), see the module's docstring.
+    ``batch_vars``: the step's batch leaves; what the step makes from them alone before the region
+    counts as the batch too. Where the two regions' equations differ, none."""
+    at, at_whole = step.region_index(), whole.region_index()
+    assert at is not None and at_whole is not None, "statistics of a gradient region"
+    region = step.jaxpr.eqns[at]
+    rj = region.params["info"].jaxpr
+    rw = whole.jaxpr.eqns[at_whole].params["info"].jaxpr
+    inputs, twin_inputs = [*rj.constvars, *rj.invars], [*rw.constvars, *rw.invars]
+    if len(inputs) != len(twin_inputs) or not _same(rj.eqns, rw.eqns):
+        return NONE
+    # What the step makes from the batch alone before the region (a mask from the labels).
+    batch_only = set(batch_vars)
+    if at == at_whole and _same(step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at]):
+        for e in step.jaxpr.eqns[:at]:
+            read = [a for a in e.invars if not compat.is_literal(a)]
+            if read and all(a in batch_only for a in read) and not compat.bodies(e) and not _draws(e):
+                batch_only.update(e.outvars)
+    outer = dict(zip(inputs, region.invars, strict=True))
+    from_batch = {v for v in inputs if not compat.is_literal(outer[v]) and outer[v] in batch_only}
+    if not from_batch:
+        return NONE
+    bound = set(inputs) - from_batch  # depends on more than the batch
+    tainted = set(from_batch)  # depends on the batch
+    plain = set(from_batch)  # made without bodies (loops, calls), whose degrees are followed
+    twin = dict(zip(inputs, twin_inputs, strict=True))
+    made = set()  # made by an equation at the top level, not a boundary
+
+    def reads(e: Any, values: set[Any]) -> list[bool]:
+        return [not compat.is_literal(a) and a in values for a in e.invars]
+
+    for e, t in zip(rj.eqns, rw.eqns, strict=True):
+        twin.update((v, w) for v, w in zip(e.outvars, t.outvars, strict=True) if not compat.is_dropvar(v))
+        if layers.is_boundary(e):  # an identity per value
+            for values in (bound, tainted, plain):
+                values.update(v for v, r in zip(e.outvars, reads(e, values), strict=True) if r)
+            continue
+        made.update(e.outvars)
+        if not compat.bodies(e) and all(
+            r or compat.is_literal(a) for a, r in zip(e.invars, reads(e, plain), strict=True)
+        ):
+            plain.update(e.outvars)
+        if e.primitive is layers.cotangent_seed_p or _draws(e):
+            bound.update(e.outvars)
+            continue
+        for values in (bound, tainted):
+            flags = dependence.eqn_depends(e, reads(e, values))
+            values.update(
+                e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f]
+            )
+
+    def is_statistic(a: Any) -> bool:
+        return (
+            not compat.is_literal(a)
+            and a in made
+            and a in tainted
+            and a in plain
+            and a not in bound
+            and batch_scaling.is_float(a)
+            and a.aval.shape == twin[a].aval.shape
+        )
+
+    # Where a statistic meets anything else: the model, the examples, another layer.
+    found: dict[Any, None] = {}
+    for e in rj.eqns:
+        if layers.is_boundary(e) or not all(is_statistic(v) for v in e.outvars if not compat.is_dropvar(v)):
+            found.update((a, None) for a in e.invars if is_statistic(a))
+    found.update((a, None) for a in rj.outvars if is_statistic(a))
+    if not found:
+        return NONE
+    mine = [e for e in rj.eqns if not layers.is_boundary(e)]
+    theirs = {id(e): t for e, t in zip(rj.eqns, rw.eqns, strict=True) if not layers.is_boundary(e)}
+    scalings = batch_scaling.scalings(mine, theirs, tainted, nmb)
+    degrees = {}
+    for v in found:
+        s = scalings.get(v)
+        degree = 0.0 if s is None or s.extreme else None if s.unknown else s.degree
+        if degree is not None and float(degree).is_integer():
+            degrees[v] = degree
+    return _made_once(step, whole, twin, degrees, nmb) if degrees else NONE
+
+
+def _same(mine: Sequence[Any], theirs: Sequence[Any]) -> bool:
+    return len(mine) == len(theirs) and all(
+        e.primitive is t.primitive for e, t in zip(mine, theirs, strict=True)
+    )
+
+
+def _draws(e: Any) -> bool:
+    """Whether ``e`` or an equation in its bodies draws random values."""
+    return e.primitive.name.startswith(_DRAWS) or any(_draws(q) for b in compat.bodies(e) for q in b.eqns)
+
+
+def _made_once(
+    step: TracedStep,
+    whole: TracedStep,
+    twin: Mapping[Any, Any],
+    degrees: Mapping[Any, float],
+    nmb: int,
+) -> Statistics:
+    """The ops making each statistic of ``degrees`` once per step (see :class:`Statistics`):
+    the twins of the equations that make it, in the region and before it, from the batch's
+    leaves joined. ``twin``: the region's variables at one microbatch -> at the whole batch."""
+    region = whole.jaxpr.eqns[whole.region_index()]
+    rw = region.params["info"].jaxpr
+    outer = dict(zip([*rw.constvars, *rw.invars], region.invars, strict=True))  # region inputs
+
+    def name(a: Any) -> Any:  # a region input is the value the step passes in
+        return outer.get(a, a)
+
+    needed = {twin[v] for v in degrees}
+    chain = []
+    for t in [*reversed(rw.eqns), None, *reversed(whole.jaxpr.eqns[: whole.region_index()])]:
+        if t is None:  # on to the equations before the region
+            needed = {name(a) for a in needed}
+        elif any(w in needed for w in t.outvars if not compat.is_dropvar(w)):
+            chain.append(t)
+            needed.update(a for a in t.invars if not compat.is_literal(a))
+    ops = []
+    for v, w in zip(step.arg_vars, whole.arg_vars, strict=True):
+        if w in needed:  # a batch leaf: its microbatches joined
+            dims = example_mixing.per_example_dims(v, w, nmb)
+            if len(dims) != 1:
+                return NONE
+            parts = tuple((v, j) for j in range(nmb))
+            ops.append(Op(kind="acc", mode="concat", ins=parts, outs=((w, None),), axis=dims.pop()))
+    for t in reversed(chain):
+        ins = tuple(a if compat.is_literal(a) else (name(a), None) for a in t.invars)
+        outs = tuple(None if compat.is_dropvar(w) else (w, None) for w in t.outvars)
+        ops.append(Op(kind="eqn", eqn=t, ins=ins, outs=outs))
+    values: dict[Any, Key] = {}
+    for v, degree in degrees.items():
+        if degree == 0.0:
+            values[v] = (twin[v], None)
+            continue
+        share = compat.Var(v.aval)
+        scale = float(nmb) ** degree
+        ops.append(Op(kind="acc", mode="mean", ins=((twin[v], None),), outs=((share, None),), divisor=scale))
+        values[v] = (share, None)
+    return Statistics(values, tuple(ops))

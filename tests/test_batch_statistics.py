@@ -1,0 +1,149 @@
+"""Figures of the batch alone inside the loss function (a masked mean's count, standardising
+statistics) are the whole batch's in every microbatch, so the step equals jax.jit however the
+padding falls between the microbatches."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from equality import TOLERANCES, assert_same_as_jit
+from flax.training import train_state
+
+import autopar
+from autopar._src import batch_statistics, planning, trace
+from models import train
+
+BATCH, TOKENS, MICROBATCHES = 16, 6, 4
+
+
+class Tagger(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(4):
+            x = nn.relu(nn.Dense(32)(x))
+        return nn.Dense(10)(x)
+
+
+
+LOSSES = {
+    "masked mean": lambda ce, mask, y: jnp.sum(ce * mask) / jnp.sum(mask),
+    "clamped count": lambda ce, mask, y: jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1),
+    "ratio of means": lambda ce, mask, y: jnp.mean(ce * mask) / jnp.mean(mask),
+    "guarded": lambda ce, mask, y: jnp.where(
+        jnp.sum(mask) > 0, jnp.sum(ce * mask) / jnp.sum(mask.astype(jnp.float32)), 0.0
+    ),
+    "reciprocal": lambda ce, mask, y: jnp.sum(ce * mask) * (1.0 / jnp.sum(mask)),
+    "weighted": lambda ce, mask, y: jnp.sum(ce * jnp.where(mask, 1.0 + y % 3, 0.0))
+    / jnp.sum(jnp.where(mask, 1.0 + y % 3, 0.0)),
+}
+
+
+def _setup(loss_of, standardise=False, mask_outside=False):
+    model = Tagger()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, TOKENS, 8)).astype(np.float32)
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"], tx=optax.sgd(0.1)
+    )
+
+    def step(state, batch):
+        outside = batch["y"] != -100  # made before the loss function, from the labels alone
+
+        def loss_fn(params):
+            x = batch["x"]
+            if standardise:  # by the batch's statistics, inside the loss function
+                x = (x - x.mean((0, 1))) / (x.std((0, 1)) + 1e-6)
+            logits = state.apply_fn({"params": params}, x)
+            mask = outside if mask_outside else batch["y"] != -100
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, batch["y"], 0))
+            return loss_of(ce, mask, batch["y"])
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    batches = []
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        y = rng.integers(0, 10, (BATCH, TOKENS)).astype(np.int32)
+        y[:4, 1:] = -100  # the first microbatch is mostly padding, the others hardly any
+        y[9, 3:] = -100
+        batches.append({"x": (rng.normal(size=(BATCH, TOKENS, 8)) * 3 + 1).astype(np.float32), "y": y})
+    return step, state, batches
+
+
+def _microbatch_mean(step, state, batch):
+    """The loss as the mean of each microbatch's own loss: what the step would compute with
+    each microbatch counting its own tokens."""
+    rows = BATCH // MICROBATCHES
+    parts = [jax.tree.map(lambda a: a[j * rows : (j + 1) * rows], batch) for j in range(MICROBATCHES)]
+    return np.mean([float(jax.jit(step)(state, part)[1]) for part in parts])
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_a_loss_weighed_by_the_batch_equals_jit_with_unequal_microbatches(name):
+    step, state, batches = _setup(LOSSES[name])
+    # The microbatches weigh differently: their own counts would give another loss.
+    assert abs(_microbatch_mean(step, state, batches[0]) - float(jax.jit(step)(state, batches[0])[1])) > 1e-3
+    par = assert_same_as_jit(
+        step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=MICROBATCHES
+    )
+    assert par.plan(state, batches[0]).num_microbatches == MICROBATCHES
+
+
+@pytest.mark.parametrize("how", ["standardised inputs", "mask made outside"])
+def test_figures_of_the_batch_made_with_the_examples_or_before_the_loss_equal_jit(how):
+    options = {"standardise": True} if how == "standardised inputs" else {"mask_outside": True}
+    step, state, batches = _setup(LOSSES["masked mean"], **options)
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=MICROBATCHES)
+
+
+def _statistics(step, state, batch):
+    leaves = jax.tree.leaves((state, batch))
+    batch_ids = list(range(len(leaves) - 2, len(leaves)))
+    opts = trace.TraceOptions(num_layers=2)
+    mine = planning.trace_at(step, (state, batch), batch_ids, BATCH // MICROBATCHES, opts)
+    cuts = tuple(mine.jaxpr.eqns[mine.region_index()].params["info"].cuts)
+    whole = planning.trace_at(step, (state, batch), batch_ids, BATCH, trace.TraceOptions(num_layers=2, cuts=cuts))
+    return batch_statistics.find(mine, whole, {mine.arg_vars[i] for i in batch_ids}, MICROBATCHES)
+
+
+def test_the_count_is_made_once_from_the_joined_batch_and_shared_out():
+    step, state, batches = _setup(LOSSES["masked mean"])
+    found = _statistics(step, state, batches[0])
+    assert len(found.values) == 1
+    (count,) = found.values
+    assert count.aval.shape == () and count.aval.dtype == jnp.float32
+    modes = [(op.kind, op.mode) for op in found.ops]
+    assert modes[0] == ("acc", "concat") and len(found.ops[0].ins) == MICROBATCHES  # the labels joined
+    assert modes[-1] == ("acc", "mean") and found.ops[-1].divisor == MICROBATCHES  # a sum: its share
+    assert {op.eqn.primitive.name for op in found.ops if op.kind == "eqn"} >= {"ne", "reduce_sum"}
+
+
+@pytest.mark.parametrize("kind", ["drawn", "looped", "model"])
+def test_what_is_not_a_figure_of_the_batch_alone_is_left_to_each_microbatch(kind):
+    def loss_of(ce, mask, y):
+        if kind == "drawn":  # random draws differ at the whole batch's shape
+            keep = jax.random.bernoulli(jax.random.key(0), 0.9, mask.shape)
+            return jnp.sum(ce * mask) / jnp.sum(mask * keep)
+        if kind == "looped":  # a count made in a loop: not followed
+            n = jax.lax.fori_loop(0, mask.shape[0], lambda i, c: c + jnp.sum(mask[i]), 0.0)
+            return jnp.sum(ce * mask) / n
+        return jnp.sum(ce * mask) / jnp.sum(ce)  # depends on the model
+
+    step, state, batches = _setup(loss_of)
+    assert _statistics(step, state, batches[0]).values == {}
+
+
+def test_bert_with_padding_that_differs_between_microbatches_equals_jit():
+    config = train.tiny_config("bert")
+    step, state = train.setup("bert", "linen", config, optax.sgd(0.1))
+    batches = []
+    for seed in range(2):
+        batch = train.make_batch("bert", config, 8, seed=seed)
+        mask = np.array(batch["mask"])
+        mask[:2] = False  # nothing to predict in the first microbatch's rows but one token
+        mask[0, 0] = True
+        batches.append({**batch, "mask": mask})
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
