@@ -26,7 +26,6 @@ class Tagger(nn.Module):
         return nn.Dense(10)(x)
 
 
-
 LOSSES = {
     "masked mean": lambda ce, mask, y: jnp.sum(ce * mask) / jnp.sum(mask),
     "clamped count": lambda ce, mask, y: jnp.sum(ce * mask) / jnp.maximum(jnp.sum(mask), 1),
@@ -35,8 +34,9 @@ LOSSES = {
         jnp.sum(mask) > 0, jnp.sum(ce * mask) / jnp.sum(mask.astype(jnp.float32)), 0.0
     ),
     "reciprocal": lambda ce, mask, y: jnp.sum(ce * mask) * (1.0 / jnp.sum(mask)),
-    "weighted": lambda ce, mask, y: jnp.sum(ce * jnp.where(mask, 1.0 + y % 3, 0.0))
-    / jnp.sum(jnp.where(mask, 1.0 + y % 3, 0.0)),
+    "weighted": lambda ce, mask, y: (
+        jnp.sum(ce * jnp.where(mask, 1.0 + y % 3, 0.0)) / jnp.sum(jnp.where(mask, 1.0 + y % 3, 0.0))
+    ),
 }
 
 
@@ -105,7 +105,9 @@ def _statistics(step, state, batch):
     opts = trace.TraceOptions(num_layers=2)
     mine = planning.trace_at(step, (state, batch), batch_ids, BATCH // MICROBATCHES, opts)
     cuts = tuple(mine.jaxpr.eqns[mine.region_index()].params["info"].cuts)
-    whole = planning.trace_at(step, (state, batch), batch_ids, BATCH, trace.TraceOptions(num_layers=2, cuts=cuts))
+    whole = planning.trace_at(
+        step, (state, batch), batch_ids, BATCH, trace.TraceOptions(num_layers=2, cuts=cuts)
+    )
     return batch_statistics.find(mine, whole, {mine.arg_vars[i] for i in batch_ids}, MICROBATCHES)
 
 
@@ -147,3 +149,52 @@ def test_bert_with_padding_that_differs_between_microbatches_equals_jit():
         mask[0, 0] = True
         batches.append({**batch, "mask": mask})
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
+
+
+class _Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+        @jax.jit  # Hugging Face style: nested jits
+        def attend(q, k, v, mask):
+            w = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(q.shape[-1])
+            w = jnp.where(mask[:, None, :] > 0, w, -1e9)
+            return jnp.einsum("bts,bsd->btd", jax.nn.softmax(w), v)
+
+        q, k, v = jnp.split(nn.Dense(48)(x), 3, axis=-1)
+        x = nn.LayerNorm()(x + attend(q, k, v, mask))
+        return nn.LayerNorm()(x + nn.Dense(16)(nn.gelu(nn.Dense(32)(x))))
+
+
+class _Encoder(nn.Module):
+    @nn.compact
+    def __call__(self, ids, mask):
+        x = nn.Embed(32, 16)(ids)
+        for _ in range(3):
+            x = _Layer()(x, mask)
+        return nn.Dense(32)(x), x
+
+
+def test_a_padded_language_model_with_nested_jits_equals_jit_over_microbatches():
+    """Sequences of different lengths, padded: the loss averages over the real tokens of the
+    whole batch (the mask also masks attention), plus a mean of the model's last activations."""
+    model = _Encoder()
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(3):
+        lengths = np.concatenate([[2, 2, 3], rng.integers(5, 11, 13)])  # short ones first
+        mask = (np.arange(10)[None] < lengths[:, None]).astype(np.float32)
+        ids = rng.integers(0, 32, (16, 10)).astype(np.int32)
+        batches.append({"ids": ids, "mask": mask, "labels": np.roll(ids, -1, 1)})
+    params = model.init(jax.random.key(0), batches[0]["ids"], batches[0]["mask"])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-2, eps=1e-5))
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits, hidden = state.apply_fn({"params": p}, batch["ids"], batch["mask"])
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["labels"][..., None], -1)[..., 0]
+            return (nll * batch["mask"]).sum() / batch["mask"].sum() + 1e-3 * jnp.mean(hidden**2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=4)

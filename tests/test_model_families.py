@@ -11,8 +11,8 @@ BATCH = 8
 
 # BatchNorm normalises with the statistics of what it sees and MoE capacity is a
 # fraction of the tokens routed together: both are defined per microbatch, so they
-# match a full-batch step with one microbatch. BERT's masked mean is a batch mean
-# (every row masks the same number of tokens), so it matches with several.
+# match a full-batch step with one microbatch. BERT's masked mean divides by the whole
+# batch's count of masked tokens in every microbatch, so it matches with several.
 @pytest.mark.parametrize(
     "kind,num_stages,num_mb",
     [("bert", 2, 4), ("wresnet", 2, 1), ("moe", 2, 1)],
