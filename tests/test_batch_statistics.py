@@ -77,7 +77,7 @@ def _microbatch_mean(step, state, batch):
     """The loss as the mean of each microbatch's own loss: what the step would compute with
     each microbatch counting its own tokens."""
     rows = BATCH // MICROBATCHES
-    parts = [jax.tree.map(lambda a: a[j * rows : (j + 1) * rows], batch) for j in range(MICROBATCHES)]
+    parts = [{k: a[j * rows : (j + 1) * rows] for k, a in batch.items()} for j in range(MICROBATCHES)]
     return np.mean([float(jax.jit(step)(state, part)[1]) for part in parts])
 
 
