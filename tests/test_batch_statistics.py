@@ -40,7 +40,7 @@ LOSSES = {
 }
 
 
-def _setup(loss_of, standardise=False, mask_outside=False):
+def _setup(loss_of, standardise=False, mask_outside=False, count_outside=None, scale_outside=False):
     model = Tagger()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, TOKENS, 8)).astype(np.float32)
@@ -50,14 +50,20 @@ def _setup(loss_of, standardise=False, mask_outside=False):
 
     def step(state, batch):
         outside = batch["y"] != -100  # made before the loss function, from the labels alone
+        counted = None if count_outside is None else count_outside(outside)
+        scale = jnp.max(jnp.abs(batch["x"]))  # the batch's largest input
 
         def loss_fn(params):
             x = batch["x"]
+            if scale_outside:
+                x = x / scale
             if standardise:  # by the batch's statistics, inside the loss function
                 x = (x - x.mean((0, 1))) / (x.std((0, 1)) + 1e-6)
             logits = state.apply_fn({"params": params}, x)
             mask = outside if mask_outside else batch["y"] != -100
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, batch["y"], 0))
+            if counted is not None:
+                return jnp.sum(ce * mask) / counted
             return loss_of(ce, mask, batch["y"])
 
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
@@ -92,9 +98,19 @@ def test_a_loss_weighed_by_the_batch_equals_jit_with_unequal_microbatches(name):
     assert par.plan(state, batches[0]).num_microbatches == MICROBATCHES
 
 
-@pytest.mark.parametrize("how", ["standardised inputs", "mask made outside"])
+OUTSIDE = {
+    "standardised inputs": {"standardise": True},
+    "mask made outside": {"mask_outside": True},
+    "count made outside": {"mask_outside": True, "count_outside": jnp.sum},  # an integer sum
+    "float count made outside": {"count_outside": lambda m: jnp.sum(m.astype(jnp.float32))},
+    "mean made outside": {"count_outside": lambda m: jnp.mean(m) * m.size},
+    "maximum made outside": {"scale_outside": True},
+}
+
+
+@pytest.mark.parametrize("how", list(OUTSIDE))
 def test_figures_of_the_batch_made_with_the_examples_or_before_the_loss_equal_jit(how):
-    options = {"standardise": True} if how == "standardised inputs" else {"mask_outside": True}
+    options = OUTSIDE[how]
     step, state, batches = _setup(LOSSES["masked mean"], **options)
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=MICROBATCHES)
 

@@ -47,8 +47,11 @@ class Scaling:
 Found = dict[Any, Scaling]
 
 
-def scalings(eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nmb: int) -> Found:
-    """The values of ``eqns`` that are not batch-independent means: their :class:`Scaling`.
+def scalings(
+    eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nmb: int, given: Found | None = None
+) -> Found:
+    """The values of ``eqns`` that are not batch-independent means: their :class:`Scaling`
+    (``given``: their inputs', where these are not means either).
 
     Bodies (nested ``jit``s, ``custom_jvp``/``custom_vjp`` and ``checkpoint`` calls, ``cond``
     branches, ``scan`` and ``while`` loops) are followed into, their twins alongside.
@@ -59,7 +62,7 @@ def scalings(eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nm
       tainted: the values computed from the examples.
       nmb: the number of microbatches (the ratio of the traces' batch sizes).
     """
-    found: Found = {}
+    found: Found = dict(given or {})
     _walk(eqns, twin, set(tainted), nmb, found, grow=False, iterating=False)
     return found
 

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 from autopar._src import batch_scaling, compat, dependence, example_mixing, layers
+from autopar._src.batch_scaling import Found
 from autopar._src.program import Key, Op
 from autopar._src.trace import TracedStep
 
@@ -73,14 +74,8 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     inputs, twin_inputs = [*rj.constvars, *rj.invars], [*rw.constvars, *rw.invars]
     if len(inputs) != len(twin_inputs) or not _same(rj.eqns, rw.eqns):
         return NONE
-    # What the step makes from the batch alone before the region (a mask from the labels).
-    batch_only = set(batch_vars)
-    if at == at_whole and _same(step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at]):
-        for e in step.jaxpr.eqns[:at]:
-            read = [a for a in e.invars if not compat.is_literal(a)]
-            if read and all(a in batch_only for a in read) and not compat.bodies(e) and not _draws(e):
-                batch_only.update(e.outvars)
     outer = dict(zip(inputs, region.invars, strict=True))
+    batch_only, given = passed_in(step, whole, batch_vars, nmb)
     from_batch = {v for v in inputs if not compat.is_literal(outer[v]) and outer[v] in batch_only}
     if not from_batch:
         return NONE
@@ -116,7 +111,7 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     def is_statistic(a: Any) -> bool:
         return (
             not compat.is_literal(a)
-            and a in made
+            and (a in made or a in from_batch)
             and a in tainted
             and a in plain
             and a not in bound
@@ -134,7 +129,7 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
         return NONE
     mine = [e for e in rj.eqns if not layers.is_boundary(e)]
     theirs = {id(e): t for e, t in zip(rj.eqns, rw.eqns, strict=True) if not layers.is_boundary(e)}
-    scalings = batch_scaling.scalings(mine, theirs, tainted, nmb)
+    scalings = batch_scaling.scalings(mine, theirs, tainted, nmb, given)
     degrees = {}
     for v in found:
         s = scalings.get(v)
@@ -142,6 +137,44 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
         if degree is not None and float(degree).is_integer():
             degrees[v] = degree
     return _made_once(step, whole, twin, degrees, nmb) if degrees else NONE
+
+
+def passed_in(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) -> tuple[set[Any], Found]:
+    """What the step makes from the batch alone before its grad region (a mask from the labels,
+    a count of its tokens; without loops, calls or random draws), the batch's leaves among
+    them, and how the values the region reads scale with the batch (by their variables in the
+    region's jaxpr, as :func:`~autopar._src.batch_scaling.scalings` gives them), where the two
+    traces have the same equations before the region."""
+    at, at_whole = step.region_index(), whole.region_index()
+    batch_only = set(batch_vars)
+    if at is None or at != at_whole or not _same(step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at]):
+        return batch_only, {}
+    pairs = list(zip(step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at], strict=True))
+    for e, _ in pairs:
+        read = [a for a in e.invars if not compat.is_literal(a)]
+        if read and all(a in batch_only for a in read) and not compat.bodies(e) and not _draws(e):
+            batch_only.update(e.outvars)
+    derived = step.derived(set(batch_vars))
+    before = batch_scaling.scalings([e for e, _ in pairs], {id(e): t for e, t in pairs}, derived, nmb)
+    region = step.jaxpr.eqns[at]
+    rj = region.params["info"].jaxpr
+    outer = zip([*rj.constvars, *rj.invars], region.invars, strict=True)
+    return batch_only, {v: before[o] for v, o in outer if not compat.is_literal(o) and o in before}
+
+
+def unread(step: TracedStep, stats: Statistics) -> set[Any]:
+    """The values the step passes to its grad region that no microbatch reads once the
+    statistics are read in place of their own (a token count made before the loss function)."""
+    region = step.jaxpr.eqns[step.region_index()]
+    rj = region.params["info"].jaxpr
+    if not stats.values:
+        return set()
+    needed = {v for v in rj.outvars if not compat.is_literal(v) and v not in stats.values}
+    for e in reversed(rj.eqns):
+        if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
+            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in stats.values)
+    outer = zip([*rj.constvars, *rj.invars], region.invars, strict=True)
+    return {o for v, o in outer if v not in needed and not compat.is_literal(o)}
 
 
 def _same(mine: Sequence[Any], theirs: Sequence[Any]) -> bool:
@@ -195,10 +228,12 @@ def _made_once(
     values: dict[Any, Key] = {}
     for v, degree in degrees.items():
         if degree == 0.0:
-            values[v] = (twin[v], None)
+            values[v] = (name(twin[v]), None)
             continue
         share = compat.Var(v.aval)
         scale = float(nmb) ** degree
-        ops.append(Op(kind="acc", mode="mean", ins=((twin[v], None),), outs=((share, None),), divisor=scale))
+        ops.append(
+            Op(kind="acc", mode="mean", ins=((name(twin[v]), None),), outs=((share, None),), divisor=scale)
+        )
         values[v] = (share, None)
     return Statistics(values, tuple(ops))

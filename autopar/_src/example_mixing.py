@@ -12,7 +12,7 @@ per-example dims apart: a dim ``num_microbatches`` times longer in the second.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import Any
 
 from autopar._src import compat
@@ -23,9 +23,17 @@ _ALONG.update({"cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis"})
 """Primitives that order or accumulate along the dims a param names."""
 
 
-def require_examples_apart(step: TracedStep, whole: TracedStep, batch_ids: Sequence[int], nmb: int) -> None:
+def require_examples_apart(
+    step: TracedStep,
+    whole: TracedStep,
+    batch_ids: Sequence[int],
+    nmb: int,
+    whole_figures: Set[Any] = frozenset(),
+) -> None:
     """Raises if an equation before the grad region combines examples of the batch (see the
     module's docstring); ``step`` is traced at one microbatch, ``whole`` at the whole batch.
+    ``whole_figures``: values the region reads that are made from the whole batch instead
+    (:mod:`~autopar._src.batch_statistics`): what only makes them may combine examples.
 
     Raises:
       ValueError: naming the equation and its source line.
@@ -40,7 +48,7 @@ def require_examples_apart(step: TracedStep, whole: TracedStep, batch_ids: Seque
         return  # code that changes with the batch size: equation by equation says nothing
     # Only what reaches the loss function: a value returned from the step is refused by name
     # (partition), one the update reads after the gradient too.
-    needed = {a for a in step.jaxpr.eqns[at].invars if not compat.is_literal(a)}
+    needed = {a for a in step.jaxpr.eqns[at].invars if not compat.is_literal(a) and a not in whole_figures}
     feeding = set()
     for k in reversed(range(len(mine))):
         if any(v in needed for v in mine[k].outvars if not compat.is_dropvar(v)):

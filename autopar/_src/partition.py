@@ -177,6 +177,8 @@ def build_program(
         def rkey(a: Any, j: int) -> Any:  # noqa: F811
             if not _is_var(a):
                 return a
+            if a in stats.values:
+                return stats.values[a]
             if a in rmap:
                 outer = rmap[a]
                 return (folded[outer].var, j) if _is_var(outer) and outer in folded else okey(outer, j)
@@ -308,7 +310,16 @@ def build_program(
         for g, ops in whole_batch.input_ops(step, at_whole, group, per_mb, plan.num_stages - 1).items():
             post_groups[g] = ops + post_groups.get(g, [])
     if stats.values:  # from the batch's microbatches alone, on the first stage that reads them
-        pre_groups.setdefault((0, min(made_in[v][0] for v in stats.values)), []).extend(stats.ops)
+        first = min(
+            (
+                where[0]
+                for where, ops in stage_ops.items()
+                for e in ops
+                if any(a in stats.values for a in _eqn_invars(e))
+            ),
+            default=0,
+        )
+        pre_groups.setdefault((0, first), []).extend(stats.ops)
     for key, f in folded.items():  # on the key's first reader, once the key is made
         st = min(consumer_stages[key])
         made = made_by.get(key)
@@ -334,11 +345,7 @@ def build_program(
                 outs = tuple(None if compat.is_dropvar(v) or v in stats.values else (v, j) for v in e.outvars)
                 if any(k is not None for k in outs):
                     ops.append(Op(kind="eqn", eqn=e, ins=tuple(rkey(a, j) for a in e.invars), outs=outs))
-                ops += [
-                    Op(kind="acc", mode="copy", ins=(stats.values[v],), outs=((v, j),))
-                    for v in _eqn_outvars(e)
-                    if v in stats.values
-                ]
+
             for (rv, *more), ov in acc_specs.get(where, []):
                 keys = [rkey(v, j) for v in more]
                 ops.append(region_outputs.accumulate(rkey(rv, j), ov, j, nmb, ov in joined, keys))

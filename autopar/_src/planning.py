@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 
+from autopar._src import batch_statistics, compat, cost, example_mixing, profile, region_outputs, trace
 from autopar._src import cluster as cluster_mod
-from autopar._src import compat, cost, example_mixing, profile, region_outputs, trace
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
 from autopar._src.schedule import ScheduleName
 
@@ -198,7 +198,10 @@ def per_example_outputs(
         dims[i] = grown[0]
     # Code reading the per-example outputs is refused later, naming the output.
     seeds = (_batch_values(step, batch_ids, dims), _batch_values(whole, batch_ids, dims))
-    example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches)
+    figures = batch_statistics.unread(
+        step, batch_statistics.find(step, whole, {step.arg_vars[i] for i in batch_ids}, num_microbatches)
+    )
+    example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches, figures)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches)
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
     return dims

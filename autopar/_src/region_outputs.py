@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import batch_scaling, compat, dependence, example_mixing, layers, partial_chains
+from autopar._src import (
+    batch_scaling,
+    batch_statistics,
+    compat,
+    dependence,
+    example_mixing,
+    layers,
+    partial_chains,
+)
 from autopar._src.program import Op
 from autopar._src.trace import TracedStep
 
@@ -251,7 +259,12 @@ def require_combinable(
     if twin:
         loss = {} if compat.is_literal(rj.outvars[0]) else {rj.outvars[0]: 0}
         _refuse_pairs(rj, twin, {**loss, **combined}, nmb)
-        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb)
+        # How the values the step passes in scale (a token count made before the loss function).
+        # One extreme (the batch's maximum) is the whole batch's in every microbatch, as a
+        # statistic (batch_statistics): a constant to them.
+        _, given = batch_statistics.passed_in(step, whole, {step.arg_vars[i] for i in batch_ids}, nmb)
+        given = {v: s for v, s in given.items() if not s.extreme}
+        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -284,12 +297,17 @@ def require_combinable(
 
 
 def _require_means(
-    rj: Any, twin: Mapping[int, Any], tainted: set[Any], averaged: Mapping[Any, int], nmb: int
+    rj: Any,
+    twin: Mapping[int, Any],
+    tainted: set[Any],
+    averaged: Mapping[Any, int],
+    nmb: int,
+    given: batch_scaling.Found,
 ) -> set[Any]:
     """Checks that the loss and the averaged aux outputs are means over the examples, which
-    averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`);
-    returns the float ones found to be."""
-    found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb)
+    averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`; ``given``:
+    the scalings of the region's inputs); returns the float ones found to be."""
+    found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given)
     for rv, i in averaged.items():
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
         if scaling is None or scaling.unknown:
