@@ -40,7 +40,9 @@ LOSSES = {
 }
 
 
-def _setup(loss_of, standardise=False, mask_outside=False, count_outside=None, scale_outside=False):
+def _setup(
+    loss_of, standardise=False, mask_outside=False, count_outside=None, scale_outside=False, before=False
+):
     model = Tagger()
     rng = np.random.default_rng(0)
     x = rng.normal(size=(BATCH, TOKENS, 8)).astype(np.float32)
@@ -52,6 +54,9 @@ def _setup(loss_of, standardise=False, mask_outside=False, count_outside=None, s
         outside = batch["y"] != -100  # made before the loss function, from the labels alone
         counted = None if count_outside is None else count_outside(outside)
         scale = jnp.max(jnp.abs(batch["x"]))  # the batch's largest input
+        if before:  # standardised before the loss function
+            x = batch["x"]
+            batch = {**batch, "x": (x - x.mean((0, 1))) / (x.std((0, 1)) + 1e-6)}
 
         def loss_fn(params):
             x = batch["x"]
@@ -105,6 +110,7 @@ OUTSIDE = {
     "float count made outside": {"count_outside": lambda m: jnp.sum(m.astype(jnp.float32))},
     "mean made outside": {"count_outside": lambda m: jnp.mean(m) * m.size},
     "maximum made outside": {"scale_outside": True},
+    "standardised outside": {"before": True},
 }
 
 

@@ -75,8 +75,8 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     if len(inputs) != len(twin_inputs) or not _same(rj.eqns, rw.eqns):
         return NONE
     outer = dict(zip(inputs, region.invars, strict=True))
-    batch_only, given = passed_in(step, whole, batch_vars, nmb)
-    from_batch = {v for v in inputs if not compat.is_literal(outer[v]) and outer[v] in batch_only}
+    pre = before_region(step, whole, batch_vars, nmb)
+    from_batch = {v for v in inputs if not compat.is_literal(outer[v]) and outer[v] in pre.batch_only}
     if not from_batch:
         return NONE
     bound = set(inputs) - from_batch  # depends on more than the batch
@@ -125,46 +125,83 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
         if layers.is_boundary(e) or not all(is_statistic(v) for v in e.outvars if not compat.is_dropvar(v)):
             found.update((a, None) for a in e.invars if is_statistic(a))
     found.update((a, None) for a in rj.outvars if is_statistic(a))
-    if not found:
+
+    # The same before the region: a figure there that meets the examples (x.mean(0) in x - x.mean(0)).
+    def is_statistic_before(a: Any) -> bool:
+        return (
+            not compat.is_literal(a)
+            and a in pre.batch_only
+            and a not in batch_vars
+            and batch_scaling.is_float(a)
+            and a.aval.shape == pre.twin[a].aval.shape
+        )
+
+    found_before: dict[Any, None] = {}
+    for e in step.jaxpr.eqns[:at]:
+        if not all(is_statistic_before(v) for v in e.outvars if not compat.is_dropvar(v)):
+            found_before.update((a, None) for a in e.invars if is_statistic_before(a))
+    if not found and not found_before:
         return NONE
     mine = [e for e in rj.eqns if not layers.is_boundary(e)]
     theirs = {id(e): t for e, t in zip(rj.eqns, rw.eqns, strict=True) if not layers.is_boundary(e)}
-    scalings = batch_scaling.scalings(mine, theirs, tainted, nmb, given)
+    scalings = {**pre.scalings, **batch_scaling.scalings(mine, theirs, tainted, nmb, pre.given)}
     degrees = {}
-    for v in found:
+    for v in [*found, *found_before]:
         s = scalings.get(v)
         degree = 0.0 if s is None or s.extreme else None if s.unknown else s.degree
         if degree is not None and float(degree).is_integer():
             degrees[v] = degree
-    return _made_once(step, whole, twin, degrees, nmb) if degrees else NONE
+    return _made_once(step, whole, {**pre.twin, **twin}, degrees, nmb) if degrees else NONE
 
 
-def passed_in(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) -> tuple[set[Any], Found]:
-    """What the step makes from the batch alone before its grad region (a mask from the labels,
-    a count of its tokens; without loops, calls or random draws), the batch's leaves among
-    them, and how the values the region reads scale with the batch (by their variables in the
-    region's jaxpr, as :func:`~autopar._src.batch_scaling.scalings` gives them), where the two
-    traces have the same equations before the region."""
+@dataclasses.dataclass(frozen=True)
+class Before:
+    """What the step makes from the batch before its grad region, where the two traces have the
+    same equations there (see :func:`before_region`)."""
+
+    batch_only: frozenset[Any]
+    """The batch's leaves and what is made from them alone, without loops, calls or random draws
+    (a mask from the labels, a count of its tokens)."""
+    scalings: Found
+    """How those values scale with the batch (:func:`~autopar._src.batch_scaling.scalings`)."""
+    twin: Mapping[Any, Any]
+    """Their variables at the whole batch."""
+    given: Found
+    """The scalings of the region's inputs (variables of its jaxpr)."""
+
+
+def before_region(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) -> Before:
+    """:class:`Before` of ``step`` (traced at one of ``nmb`` microbatches; ``whole``: at the whole
+    batch)."""
     at, at_whole = step.region_index(), whole.region_index()
-    batch_only = set(batch_vars)
     if at is None or at != at_whole or not _same(step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at]):
-        return batch_only, {}
+        return Before(frozenset(batch_vars), {}, {}, {})
+    batch_only = set(batch_vars)
+    constant = set()  # made from literals alone (an element count jnp.var divides by)
     pairs = list(zip(step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at], strict=True))
-    for e, _ in pairs:
+    twin = dict(zip(step.arg_vars, whole.arg_vars, strict=True))
+    for e, t in pairs:
+        twin.update((v, w) for v, w in zip(e.outvars, t.outvars, strict=True) if not compat.is_dropvar(v))
+        if compat.bodies(e) or _draws(e):
+            continue
         read = [a for a in e.invars if not compat.is_literal(a)]
-        if read and all(a in batch_only for a in read) and not compat.bodies(e) and not _draws(e):
+        if all(a in constant for a in read):
+            constant.update(e.outvars)
+        elif all(a in batch_only or a in constant for a in read):
             batch_only.update(e.outvars)
     derived = step.derived(set(batch_vars))
-    before = batch_scaling.scalings([e for e, _ in pairs], {id(e): t for e, t in pairs}, derived, nmb)
+    found = batch_scaling.scalings([e for e, _ in pairs], {id(e): t for e, t in pairs}, derived, nmb)
     region = step.jaxpr.eqns[at]
     rj = region.params["info"].jaxpr
     outer = zip([*rj.constvars, *rj.invars], region.invars, strict=True)
-    return batch_only, {v: before[o] for v, o in outer if not compat.is_literal(o) and o in before}
+    given = {v: found[o] for v, o in outer if not compat.is_literal(o) and o in found}
+    return Before(frozenset(batch_only), found, twin, given)
 
 
 def unread(step: TracedStep, stats: Statistics) -> set[Any]:
     """The values the step passes to its grad region that no microbatch reads once the
-    statistics are read in place of their own (a token count made before the loss function)."""
+    statistics are read in place of their own (a token count made before the loss function),
+    and the statistics made before the region."""
     region = step.jaxpr.eqns[step.region_index()]
     rj = region.params["info"].jaxpr
     if not stats.values:
@@ -174,7 +211,7 @@ def unread(step: TracedStep, stats: Statistics) -> set[Any]:
         if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
             needed.update(a for a in e.invars if not compat.is_literal(a) and a not in stats.values)
     outer = zip([*rj.constvars, *rj.invars], region.invars, strict=True)
-    return {o for v, o in outer if v not in needed and not compat.is_literal(o)}
+    return {o for v, o in outer if v not in needed and not compat.is_literal(o)} | set(stats.values)
 
 
 def _same(mine: Sequence[Any], theirs: Sequence[Any]) -> bool:

@@ -3,10 +3,11 @@
 What the step computes from the batch before the loss function runs per microbatch, inside the
 first stage's forward (:mod:`~autopar._src.partition`). That is ``jax.jit``'s result only where
 each example's values are made from that example alone. An equation that combines examples
-(a batch statistic such as ``x.mean(0)``, a partner from another example as mixup's
-``jnp.roll(x, 1, 0)``, a sort or cumulative sum along the batch, every example against every
-other) would see one microbatch's examples, so its values, and the loss, would differ from the
-whole batch's, silently. The step traced at one microbatch and at the whole batch tell the
+(a partner from another example as mixup's ``jnp.roll(x, 1, 0)``, a sort or cumulative sum
+along the batch, every example against every other, a statistic of more than the batch alone)
+would see one microbatch's examples, so its values, and the loss, would differ from the whole
+batch's, silently. A statistic of the batch alone (``x.mean(0)``) is made from the whole batch
+instead (:mod:`~autopar._src.batch_statistics`), and what only makes it is not checked. The step traced at one microbatch and at the whole batch tell the
 per-example dims apart: a dim ``num_microbatches`` times longer in the second.
 """
 
@@ -32,8 +33,9 @@ def require_examples_apart(
 ) -> None:
     """Raises if an equation before the grad region combines examples of the batch (see the
     module's docstring); ``step`` is traced at one microbatch, ``whole`` at the whole batch.
-    ``whole_figures``: values the region reads that are made from the whole batch instead
-    (:mod:`~autopar._src.batch_statistics`): what only makes them may combine examples.
+    ``whole_figures``: values the microbatches read from the whole batch instead of making them
+    (statistics, :mod:`~autopar._src.batch_statistics`): what only makes them may combine
+    examples.
 
     Raises:
       ValueError: naming the equation and its source line.
@@ -53,7 +55,7 @@ def require_examples_apart(
     for k in reversed(range(len(mine))):
         if any(v in needed for v in mine[k].outvars if not compat.is_dropvar(v)):
             feeding.add(k)
-            needed.update(a for a in mine[k].invars if not compat.is_literal(a))
+            needed.update(a for a in mine[k].invars if not compat.is_literal(a) and a not in whole_figures)
     tainted = {step.arg_vars[i] for i in batch_ids}
     for k, (e, other) in enumerate(zip(mine, theirs, strict=True)):
         if not any(not compat.is_literal(a) and a in tainted for a in e.invars):
@@ -64,10 +66,9 @@ def require_examples_apart(
             raise ValueError(
                 f"The step's code before the gradient combines examples (at {compat.source_line(found)}: "
                 f"{str(found).splitlines()[0]!r}): with num_microbatches={nmb} it runs per microbatch "
-                "and would see only that microbatch's examples, so what it makes (a batch statistic, "
-                "another example's values as mixup's partner) would not be the whole batch's. Do it "
-                "in the data pipeline, inside the loss function (where batch statistics are per "
-                "microbatch, as BatchNorm's), or use num_microbatches=1."
+                "and would see only that microbatch's examples, so what it makes (another example's "
+                "values as mixup's partner, a statistic of more than the batch alone) would not be "
+                "the whole batch's. Do it in the data pipeline, or use num_microbatches=1."
             )
 
 

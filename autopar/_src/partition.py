@@ -181,6 +181,8 @@ def build_program(
                 return stats.values[a]
             if a in rmap:
                 outer = rmap[a]
+                if _is_var(outer) and outer in stats.values:
+                    return stats.values[outer]
                 return (folded[outer].var, j) if _is_var(outer) and outer in folded else okey(outer, j)
             return (a, j)
 
@@ -282,13 +284,22 @@ def build_program(
         for v in _eqn_outvars(eqns[i]):
             made_by[v] = (lv, stage_of[i])
 
-    def outer_op(i: int, j: int | None) -> Op:
+    def outer_op(i: int, j: int | None) -> Op | None:
+        """Equation ``i`` for microbatch ``j`` (None: once per step); a statistic's reader
+        reads the whole batch's, and None where it only makes statistics."""
         e = eqns[i]
-        return Op(
-            kind="eqn",
-            eqn=e,
-            ins=tuple(okey(a, j) for a in e.invars),
-            outs=tuple(None if compat.is_dropvar(v) else okey(v, j) for v in e.outvars),
+        outs = tuple(
+            None if compat.is_dropvar(v) or (j is not None and v in stats.values) else okey(v, j)
+            for v in e.outvars
+        )
+        ins = tuple(
+            stats.values[a] if j is not None and _is_var(a) and a in stats.values else okey(a, j)
+            for a in e.invars
+        )
+        return (
+            Op(kind="eqn", eqn=e, ins=ins, outs=outs)
+            if any(k is not None for k in outs) or not outs
+            else None
         )
 
     pre_groups: dict[tuple[int, int], list[Op]] = {}
@@ -310,15 +321,9 @@ def build_program(
         for g, ops in whole_batch.input_ops(step, at_whole, group, per_mb, plan.num_stages - 1).items():
             post_groups[g] = ops + post_groups.get(g, [])
     if stats.values:  # from the batch's microbatches alone, on the first stage that reads them
-        first = min(
-            (
-                where[0]
-                for where, ops in stage_ops.items()
-                for e in ops
-                if any(a in stats.values for a in _eqn_invars(e))
-            ),
-            default=0,
-        )
+        readers = [(where[0], e) for where, ops in stage_ops.items() for e in ops]
+        readers += [(stage_of[i], eqns[i]) for i in in_forward]
+        first = min((st for st, e in readers if any(a in stats.values for a in _eqn_invars(e))), default=0)
         pre_groups.setdefault((0, first), []).extend(stats.ops)
     for key, f in folded.items():  # on the key's first reader, once the key is made
         st = min(consumer_stages[key])
@@ -340,7 +345,7 @@ def build_program(
             j, where = t.microbatch, (t.stage, t.pass_)
             ops = []
             if t.pass_ == "F":
-                ops += [outer_op(i, j) for i in sorted(in_forward) if stage_of[i] == t.stage]
+                ops += [op for i in sorted(in_forward) if stage_of[i] == t.stage and (op := outer_op(i, j))]
             for e in stage_ops.get(where, []):
                 outs = tuple(None if compat.is_dropvar(v) or v in stats.values else (v, j) for v in e.outvars)
                 if any(k is not None for k in outs):

@@ -202,7 +202,7 @@ def per_example_outputs(
         step, batch_statistics.find(step, whole, {step.arg_vars[i] for i in batch_ids}, num_microbatches)
     )
     example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches, figures)
-    _require_batch_free_once_per_step((step, whole), seeds, num_microbatches)
+    _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures)
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
     return dims
 
@@ -215,17 +215,31 @@ def _batch_values(step: trace.TracedStep, batch_ids: Sequence[int], dims: dict[i
 
 
 def _require_batch_free_once_per_step(
-    steps: tuple[trace.TracedStep, trace.TracedStep], seeds: tuple[set[Any], set[Any]], num_microbatches: int
+    steps: tuple[trace.TracedStep, trace.TracedStep],
+    seeds: tuple[set[Any], set[Any]],
+    num_microbatches: int,
+    figures: set[Any],
 ) -> None:
     """Checks that the equations before the grad region that read no value of one microbatch
     (``seeds`` and what derives from them) are the same in the step traced at one microbatch
     as at the whole batch (``steps``): a batch shape read there (``x.shape[0]`` in an
     examples-seen counter) would be one microbatch's. The code after the region runs at the
-    whole batch where it differs (:mod:`~autopar._src.whole_batch`)."""
+    whole batch where it differs (:mod:`~autopar._src.whole_batch`), and so does what only makes
+    ``figures``, statistics of the batch (the element count ``jnp.std`` divides by)."""
     mine, theirs = (_once_per_step(s, seed) for s, seed in zip(steps, seeds, strict=True))
+    step = steps[0]
+    at = step.region_index()
+    # What the microbatches read of the code before the region, but for the statistics' makings.
+    live = {a for e in step.jaxpr.eqns[at:] for a in e.invars if not compat.is_literal(a)} - figures
+    live |= {v for v in step.jaxpr.outvars if not compat.is_literal(v)}
+    read = set()
+    for e in reversed(step.jaxpr.eqns[:at]):
+        if any(v in live for v in e.outvars) or not e.outvars:
+            read.add(id(e))
+            live.update(a for a in e.invars if not compat.is_literal(a) and a not in figures)
     for k, eqn in enumerate(mine):
         other = theirs[k] if k < len(theirs) else None
-        if other is None or str(eqn) != str(other):
+        if (other is None or str(eqn) != str(other)) and id(eqn) in read:
             cause, fix = (
                 (
                     "it draws random values in the batch's shape (e.g. a diffusion loss's noise), "

@@ -262,8 +262,8 @@ def require_combinable(
         # How the values the step passes in scale (a token count made before the loss function).
         # One extreme (the batch's maximum) is the whole batch's in every microbatch, as a
         # statistic (batch_statistics): a constant to them.
-        _, given = batch_statistics.passed_in(step, whole, {step.arg_vars[i] for i in batch_ids}, nmb)
-        given = {v: s for v, s in given.items() if not s.extreme}
+        before = batch_statistics.before_region(step, whole, {step.arg_vars[i] for i in batch_ids}, nmb)
+        given = {v: s for v, s in before.given.items() if not s.extreme}
         means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
