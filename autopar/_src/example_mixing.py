@@ -8,7 +8,8 @@ along the batch, every example against every other, a statistic of more than the
 would see one microbatch's examples, so its values, and the loss, would differ from the whole
 batch's, silently. A statistic of the batch alone (``x.mean(0)``) is made from the whole batch
 instead (:mod:`~autopar._src.batch_statistics`), and what only makes it is not checked. The
-step traced at one microbatch and at the whole batch tell the per-example dims apart: a dim ``num_microbatches`` times longer in the second.
+step traced at one microbatch and at the whole batch tell the per-example dims apart: a dim
+``num_microbatches`` times longer in the second.
 """
 
 from __future__ import annotations
