@@ -36,7 +36,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
-from autopar._src import batch_scaling, compat, dependence, example_mixing, layers
+from autopar._src import batch_scaling, compat, dependence, layers, whole_batch
 from autopar._src.batch_scaling import Found
 from autopar._src.program import Key, Op
 from autopar._src.trace import TracedStep
@@ -253,11 +253,10 @@ def _made_once(
     ops = []
     for v, w in zip(step.arg_vars, whole.arg_vars, strict=True):
         if w in needed:  # a batch leaf: its microbatches joined
-            dims = example_mixing.per_example_dims(v, w, nmb)
-            if len(dims) != 1:
+            join = whole_batch.joined_leaf(v, w, nmb)
+            if join is None:
                 return NONE
-            parts = tuple((v, j) for j in range(nmb))
-            ops.append(Op(kind="acc", mode="concat", ins=parts, outs=((w, None),), axis=dims.pop()))
+            ops.append(join)
     for t in reversed(chain):
         ins = tuple(a if compat.is_literal(a) else (name(a), None) for a in t.invars)
         outs = tuple(None if compat.is_dropvar(w) else (w, None) for w in t.outvars)

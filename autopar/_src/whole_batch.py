@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Set
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar._src import compat, example_mixing
 from autopar._src.program import Key, Op
-from autopar._src.region_outputs import Joined
 from autopar._src.trace import TracedStep
+
+if TYPE_CHECKING:  # region_outputs reads batch statistics, which join leaves as here
+    from autopar._src.region_outputs import Joined
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +133,11 @@ def find(
         if m is not None and m in joined:
             key_of[w] = (joined[m].var, None)
         elif m is not None and m in per_microbatch:  # a batch leaf (the rest are made again)
-            dims = example_mixing.per_example_dims(m, w, nmb)
-            if len(dims) != 1:
+            join = joined_leaf(m, w, nmb)
+            if join is None:
                 raise _no_twin(e, nmb)
-            parts = tuple((m, j) for j in range(nmb))
-            joins[m] = Op(kind="acc", mode="concat", ins=parts, outs=((w, None),), axis=dims.pop())
-            key_of[w] = (w, None)
+            joins[m] = join
+            key_of[w] = join.out
         elif m is not None and _same_aval(m, w):
             key_of[w] = (m, None)
         else:
@@ -202,6 +203,16 @@ def input_ops(
     for i in at_whole.again:
         ops.setdefault(group[i], []).append(at_whole.ops[i])
     return ops
+
+
+def joined_leaf(m: Any, w: Any, nmb: int) -> Op | None:
+    """The op joining the ``nmb`` microbatches of batch leaf ``m`` into ``w``, its variable at the
+    whole batch (None where no one dim of ``w`` is ``nmb`` times ``m``'s)."""
+    dims = example_mixing.per_example_dims(m, w, nmb)
+    if len(dims) != 1:
+        return None
+    parts = tuple((m, j) for j in range(nmb))
+    return Op(kind="acc", mode="concat", ins=parts, outs=((w, None),), axis=dims.pop())
 
 
 def _same_aval(v: Any, w: Any) -> bool:
