@@ -22,7 +22,6 @@ region output after microbatch ``j``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,7 +37,7 @@ from autopar._src import (
     whole_batch,
 )
 from autopar._src.plan import Plan
-from autopar._src.program import Key, Location, Op, Program, Run, Task, Transfer
+from autopar._src.program import Key, Op, Program, Task, fuse_adjacent, wire
 from autopar._src.trace import TracedStep
 
 
@@ -360,14 +359,14 @@ def build_program(
             tasks.append(Task(stage=st, label=label, ops=ops, repeated=nmb > 1, kept=kept))
         tasks += once_tasks("post", post_groups)
 
-    tasks = _fuse_adjacent(tasks)
+    tasks = fuse_adjacent(tasks)
     output_keys = tuple(
         at_whole.keys[a]
         if _is_var(a) and a in at_whole.keys
         else okey(joined[a].var if _is_var(a) and a in joined else a, None)
         for a in jaxpr.outvars
     )
-    return _wire(tasks, output_keys, per_mb, microbatch_size)
+    return wire(tasks, output_keys, per_mb, microbatch_size)
 
 
 def _forward_backward_pairs(
@@ -420,96 +419,3 @@ def _forward_backward_pairs(
             remade[b] = copies + back
         joined.append((str(t), t.stage, ops, ()))
     return joined
-
-
-def _fuse_adjacent(tasks: list[Task]) -> list[Task]:
-    """Merges neighbouring tasks of one stage into one executable.
-
-    Repeated tasks (one per microbatch, sharing an executable) are not fused:
-    fusing them would give each microbatch an executable of its own to compile.
-    """
-    fused: list[Task] = []
-    for t in tasks:
-        prev = fused[-1] if fused else None
-        if prev is not None and prev.stage == t.stage and not (prev.repeated or t.repeated):
-            fused[-1] = Task(
-                stage=t.stage,
-                label=f"{prev.label}+{t.label}",
-                ops=prev.ops + t.ops,
-                repeated=False,
-                kept=prev.kept + t.kept,
-            )
-        else:
-            fused.append(t)
-    return fused
-
-
-def _wire(tasks: list[Task], output_keys: tuple[Any, ...], per_mb: set[Any], mb_size: int) -> Program:
-    """Finds each task's inputs and outputs, and adds transfers and frees."""
-    home: dict[Key, int] = {}
-    produced_in: dict[Key, int] = {}
-    readers: dict[Key, list[int]] = {}
-    for ti, t in enumerate(tasks):
-        made: set[Key] = set()
-        ins: list[Key] = []
-        for op in t.ops:
-            for k in op.ins:
-                if isinstance(k, tuple) and k not in made and k not in ins:
-                    ins.append(k)
-            for k in op.outs:
-                if k is not None:
-                    made.add(k)
-                    produced_in[k] = ti
-                    home[k] = t.stage
-        t.in_keys = tuple(ins)
-        for k in ins:
-            readers.setdefault(k, []).append(ti)
-    wanted = {k for k in output_keys if isinstance(k, tuple)}
-    for ti, t in enumerate(tasks):
-        outs = []
-        for op in t.ops:
-            for k in op.outs:
-                if k is not None and produced_in[k] == ti and (k in wanted or readers.get(k)):
-                    if k not in outs:
-                        outs.append(k)
-        t.out_keys = tuple(outs)
-
-    input_stages: dict[Key, list[int]] = {}
-    instrs: list[Run | Transfer] = []
-    for ti, t in enumerate(tasks):
-        for k in t.in_keys:
-            if k not in home and t.stage not in input_stages.setdefault(k, []):
-                input_stages[k].append(t.stage)
-        instrs.append(Run(task=ti))
-        for k in t.out_keys:
-            sent: list[int] = []
-            for r in readers.get(k, []):
-                dst = tasks[r].stage
-                if dst != t.stage and dst not in sent:
-                    sent.append(dst)
-                    instrs.append(Transfer(key=k, src=t.stage, dst=dst))
-
-    # Frees: after the last instruction that reads each (key, stage) location.
-    last_use: dict[Location, int] = {}
-    for n, instr in enumerate(instrs):
-        if isinstance(instr, Run):
-            t = tasks[instr.task]
-            for k in t.in_keys:
-                last_use[(k, t.stage)] = n
-        else:
-            last_use[(instr.key, instr.src)] = n
-    keep = {(k, home[k]) for k in wanted if k in home}
-    frees: dict[int, list[Location]] = {}
-    for loc, n in last_use.items():
-        if loc not in keep:
-            frees.setdefault(n, []).append(loc)
-    instrs = [dataclasses.replace(ins, frees=tuple(frees.get(n, ()))) for n, ins in enumerate(instrs)]
-    return Program(
-        tasks=tasks,
-        instrs=instrs,
-        input_stages={k: tuple(v) for k, v in input_stages.items()},
-        output_keys=output_keys,
-        home=home,
-        per_microbatch=frozenset(per_mb),
-        microbatch_size=mb_size,
-    )

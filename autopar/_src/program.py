@@ -1,7 +1,8 @@
 """The program a plan compiles to: tasks of ops on stages, and the instructions that run them.
 
-:func:`autopar._src.partition.build_program` makes a :class:`Program`; the driver runs it,
-the memory model and the measured costs read it. Nothing here knows about devices.
+:func:`autopar._src.partition.build_program` makes a :class:`Program` (its tasks fused by
+:func:`fuse_adjacent`, wired with transfers and frees by :func:`wire`); the driver runs it, the
+memory model and the measured costs read it. Nothing here knows about devices.
 
 Values are named by *keys* ``(var, tag)``: tag ``None`` for once-per-step
 values, ``j`` for microbatch ``j``, ``("acc", j)`` for the running sum of a
@@ -125,3 +126,96 @@ def live_at_runs(program: Program, stage: int) -> Iterator[tuple[Run, tuple[Key,
         for key, where in ins.frees:
             if where == stage:
                 live.pop(key, None)
+
+
+def fuse_adjacent(tasks: list[Task]) -> list[Task]:
+    """Merges neighbouring tasks of one stage into one executable.
+
+    Repeated tasks (one per microbatch, sharing an executable) are not fused:
+    fusing them would give each microbatch an executable of its own to compile.
+    """
+    fused: list[Task] = []
+    for t in tasks:
+        prev = fused[-1] if fused else None
+        if prev is not None and prev.stage == t.stage and not (prev.repeated or t.repeated):
+            fused[-1] = Task(
+                stage=t.stage,
+                label=f"{prev.label}+{t.label}",
+                ops=prev.ops + t.ops,
+                repeated=False,
+                kept=prev.kept + t.kept,
+            )
+        else:
+            fused.append(t)
+    return fused
+
+
+def wire(tasks: list[Task], output_keys: tuple[Any, ...], per_mb: set[Any], mb_size: int) -> Program:
+    """Finds each task's inputs and outputs, and adds transfers and frees."""
+    home: dict[Key, int] = {}
+    produced_in: dict[Key, int] = {}
+    readers: dict[Key, list[int]] = {}
+    for ti, t in enumerate(tasks):
+        made: set[Key] = set()
+        ins: list[Key] = []
+        for op in t.ops:
+            for k in op.ins:
+                if isinstance(k, tuple) and k not in made and k not in ins:
+                    ins.append(k)
+            for k in op.outs:
+                if k is not None:
+                    made.add(k)
+                    produced_in[k] = ti
+                    home[k] = t.stage
+        t.in_keys = tuple(ins)
+        for k in ins:
+            readers.setdefault(k, []).append(ti)
+    wanted = {k for k in output_keys if isinstance(k, tuple)}
+    for ti, t in enumerate(tasks):
+        outs = []
+        for op in t.ops:
+            for k in op.outs:
+                if k is not None and produced_in[k] == ti and (k in wanted or readers.get(k)):
+                    if k not in outs:
+                        outs.append(k)
+        t.out_keys = tuple(outs)
+
+    input_stages: dict[Key, list[int]] = {}
+    instrs: list[Run | Transfer] = []
+    for ti, t in enumerate(tasks):
+        for k in t.in_keys:
+            if k not in home and t.stage not in input_stages.setdefault(k, []):
+                input_stages[k].append(t.stage)
+        instrs.append(Run(task=ti))
+        for k in t.out_keys:
+            sent: list[int] = []
+            for r in readers.get(k, []):
+                dst = tasks[r].stage
+                if dst != t.stage and dst not in sent:
+                    sent.append(dst)
+                    instrs.append(Transfer(key=k, src=t.stage, dst=dst))
+
+    # Frees: after the last instruction that reads each (key, stage) location.
+    last_use: dict[Location, int] = {}
+    for n, instr in enumerate(instrs):
+        if isinstance(instr, Run):
+            t = tasks[instr.task]
+            for k in t.in_keys:
+                last_use[(k, t.stage)] = n
+        else:
+            last_use[(instr.key, instr.src)] = n
+    keep = {(k, home[k]) for k in wanted if k in home}
+    frees: dict[int, list[Location]] = {}
+    for loc, n in last_use.items():
+        if loc not in keep:
+            frees.setdefault(n, []).append(loc)
+    instrs = [dataclasses.replace(ins, frees=tuple(frees.get(n, ()))) for n, ins in enumerate(instrs)]
+    return Program(
+        tasks=tasks,
+        instrs=instrs,
+        input_stages={k: tuple(v) for k, v in input_stages.items()},
+        output_keys=output_keys,
+        home=home,
+        per_microbatch=frozenset(per_mb),
+        microbatch_size=mb_size,
+    )
