@@ -60,22 +60,25 @@ def test_family_on_2d_meshes_equals_jit(kind, api, overrides, num_mb, opt):
 
 # sharding="data" on the same families: the batch split, the state replicated, and the
 # gradients kept as partial sums until the last microbatch, through rematerialised blocks too.
+# Wide-ResNet under SGD, as above: the batch split over devices sums its convolutions' weight
+# gradients in another order, and Adam turns gradient elements that cancel to float32 noise (the
+# first BatchNorm's bias among them) into full-size updates.
 @pytest.mark.parametrize(
-    "kind,api,overrides,num_mb",
+    "kind,api,overrides,num_mb,opt",
     [
-        ("bert", "linen", {}, 2),
-        ("gpt", "linen", {"remat": True}, 2),
-        ("gpt", "nnx", {}, 2),
-        pytest.param("wresnet", "linen", {}, 1, marks=pytest.mark.slow),  # ~26 s
-        ("moe", "linen", {}, 1),
+        ("bert", "linen", {}, 2, "adamw"),
+        ("gpt", "linen", {"remat": True}, 2, "adamw"),
+        ("gpt", "nnx", {}, 2, "adamw"),
+        pytest.param("wresnet", "linen", {}, 1, "sgd", marks=pytest.mark.slow),  # ~26 s
+        ("moe", "linen", {}, 1, "adamw"),
     ],
 )
-def test_family_with_data_sharding_equals_jit(kind, api, overrides, num_mb):
+def test_family_with_data_sharding_equals_jit(kind, api, overrides, num_mb, opt):
     config = train.tiny_config(kind, **overrides)
-    step, state = train.setup(kind, api, config, OPTIMIZERS["adamw"]())
+    step, state = train.setup(kind, api, config, OPTIMIZERS[opt]())
     batches = [train.make_batch(kind, config, BATCH, seed=i) for i in range(3)]
     par = assert_same_as_jit(
-        step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=num_mb, sharding="data"
+        step, state, batches, TOLERANCES[opt], num_stages=2, num_microbatches=num_mb, sharding="data"
     )
     exe = par.executable(state, batches[0])
     batch = {exe.step.arg_vars[i] for i in exe.batch_leaf_ids}
