@@ -387,8 +387,10 @@ def test_whole_batch_code_that_changes_with_the_batch_size_is_an_error_with_micr
         lambda x: x + 0.1 * x[::-1],  # an example's mirror in the batch
         lambda x: jnp.cumsum(x, axis=0) / 16,
         lambda x: x + 0.01 * jnp.sort(x, axis=0),
+        lambda x: x.at[0].set(0.0),  # the batch's first example, by position
+        lambda x: jax.lax.dynamic_update_slice(x, jnp.zeros((2, x.shape[1])), (1, 0)),
     ],
-    ids=["roll", "rev", "cumsum", "sort"],
+    ids=["roll", "rev", "cumsum", "sort", "scatter", "update-slice"],
 )
 def test_code_before_the_gradient_that_combines_examples_is_an_error_with_microbatches(mix):
     """Run per microbatch, it would see one microbatch's examples: not jax.jit's result."""
@@ -400,6 +402,28 @@ def test_code_before_the_gradient_that_combines_examples_is_an_error_with_microb
     with pytest.raises(ValueError, match=r"code before the gradient combines examples .*num_microbatches=2"):
         autopar.autoparallel(mixed, num_stages=2, num_microbatches=2)(state, batch)
     ref, got = jax.jit(mixed)(state, batch), autopar.autoparallel(mixed, num_stages=2)(state, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda x: x.at[:, 0].set(0.0),  # its update: zeros in the batch's shape
+        lambda x: jax.vmap(lambda row: jax.lax.dynamic_update_slice(row, jnp.zeros(2), (1,)))(x),
+    ],
+    ids=["column", "vmapped-update"],
+)
+def test_fills_in_the_batchs_shape_made_outside_the_loss_equal_jit_with_microbatches(edit):
+    """A value broadcast to the batch's shape, read only by code run per microbatch, is each
+    microbatch's part of the whole batch's fill."""
+    step, state, batch = _mlp_step()
+
+    def edited(state, batch):
+        return step(state, {**batch, "x": edit(batch["x"])})
+
+    ref = jax.jit(edited)(state, batch)
+    got = autopar.autoparallel(edited, num_stages=2, num_microbatches=2)(state, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
 

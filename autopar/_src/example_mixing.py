@@ -117,6 +117,16 @@ def _mixing(e: Any, other: Any, nmb: int) -> Any:
             aligned = len(ins) > 1 and bool(ins[1])
             whole_dims = [aligned or d in batching or p["slice_sizes"][d] == full[d] for d in operand]
         return None if all(whole_dims) else e
+    if name == "dynamic_update_slice":  # writes some examples' rows: those at one position
+        full, part = _shape(e.invars[0]), _shape(e.invars[1])
+        return None if all(part[d] == full[d] for d in operand) else e
+    if name.startswith("scatter"):  # x.at[0].set(...): rows picked by position in the batch
+        numbers = p["dimension_numbers"]
+        picked = set(numbers.scatter_dims_to_operand_dims) - set(
+            getattr(numbers, "operand_batching_dims", ())
+        )
+        aligned = len(ins) > 1 and bool(ins[1])  # indices per example pick each one's own rows
+        return e if operand & picked and not aligned else None
     return None
 
 

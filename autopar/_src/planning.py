@@ -237,8 +237,11 @@ def _require_batch_free_once_per_step(
         if any(v in live for v in e.outvars) or not e.outvars:
             read.add(id(e))
             live.update(a for a in e.invars if not compat.is_literal(a) and a not in figures)
+    fills = _microbatch_fills(step, seeds[0])
     for k, eqn in enumerate(mine):
         other = theirs[k] if k < len(theirs) else None
+        if other is not None and id(eqn) in fills and _fill_of_the_batch(eqn, other, num_microbatches):
+            continue
         if (other is None or str(eqn) != str(other)) and id(eqn) in read:
             cause, fix = (
                 (
@@ -270,6 +273,46 @@ def _require_batch_free_once_per_step(
             "reads the batch's shape. Read it inside the loss function, pass it to the step as an "
             "argument, or use num_microbatches=1."
         )
+
+
+def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
+    """The ``id`` of each equation before the grad region that broadcasts and whose values only
+    code run per microbatch reads (before the region, or the region): at one
+    microbatch's shape, such a fill (``jnp.zeros(x.shape[0])`` as the update of
+    ``x.at[:, 0].set(0.0)``) is each microbatch's part of the whole batch's, the same value
+    everywhere."""
+    at = step.region_index()
+    eqns = step.jaxpr.eqns
+    derived = step.derived(seeds)
+    per_microbatch = {
+        id(e) for e in eqns[:at] if any(not compat.is_literal(a) and a in derived for a in e.invars)
+    }
+    per_microbatch.add(id(eqns[at]))
+    readers: dict[Any, list[int]] = {}
+    for e in eqns:
+        for a in e.invars:
+            if not compat.is_literal(a):
+                readers.setdefault(a, []).append(id(e))
+    returned = {v for v in step.jaxpr.outvars if not compat.is_literal(v)}
+    return {
+        id(e)
+        for e in eqns[:at]
+        if e.primitive.name == "broadcast_in_dim"
+        and e.outvars[0] not in returned
+        and all(r in per_microbatch for r in readers.get(e.outvars[0], []))
+    }
+
+
+def _fill_of_the_batch(eqn: Any, other: Any, nmb: int) -> bool:
+    """Whether the broadcast ``eqn`` differs from ``other``, its twin at the whole batch, in dims
+    per example alone, which it fills rather than takes from its operand."""
+    grown = example_mixing.per_example_dims(eqn.outvars[0], other.outvars[0], nmb)
+    same = [d for d in range(len(eqn.params["shape"])) if d not in grown]
+    return (
+        bool(grown)
+        and not grown & set(eqn.params["broadcast_dimensions"])
+        and all(eqn.params["shape"][d] == other.params["shape"][d] for d in same)
+    )
 
 
 def _once_per_step(step: trace.TracedStep, seeds: set[Any]) -> list[Any]:
