@@ -93,7 +93,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
                 step, plan = planning.reuse_plan(
                     fn, args, plan=agreed, batch_ids=batch_ids, batch_size=batch_size, devices=devices
                 )
-        per_example = planning.per_example_outputs(
+        per_example, stats = planning.per_example_outputs(
             step,
             functools.partial(whole_batch, tuple(plan.cuts)),
             batch_ids=batch_ids,
@@ -106,7 +106,14 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
         meshes = driver.stage_meshes(plan, devices)
         mb = batch_size // plan.num_microbatches if batch_size else 0
         program = partition.build_program(
-            step, plan, batch_ids, mb, per_example, drawing, whole_batch(tuple(plan.cuts)) if multi else None
+            step,
+            plan,
+            batch_ids,
+            mb,
+            per_example,
+            drawing,
+            whole_batch(tuple(plan.cuts)) if multi else None,
+            stats,
         )
         # The memory model's parts of each layer (none for a step without autopar's gradient).
         prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None

@@ -103,6 +103,7 @@ def build_program(
     per_example: Mapping[int, int] | None = None,
     drawing: frozenset[int] = frozenset(),
     whole: TracedStep | None = None,
+    stats: batch_statistics.Statistics = batch_statistics.NONE,
 ) -> Program:
     """Partitions a traced step according to ``plan``.
 
@@ -114,7 +115,10 @@ def build_program(
     folded with each microbatch's index. ``whole`` is the step traced at the whole batch, for
     the code outside the region that needs the whole batch (:mod:`~autopar._src.whole_batch`);
     without it, with several microbatches, that code is left out (a program whose pipeline tasks
-    alone are timed).
+    alone are timed). ``stats`` are the loss function's statistics of the batch
+    (:func:`autopar._src.batch_statistics.find`, from
+    :func:`~autopar._src.planning.per_example_outputs`): made once per step from the whole batch,
+    every microbatch reads its share of them in place of its own.
 
     Raises:
       ValueError: if code outside the region that needs the whole batch differs between the
@@ -159,9 +163,6 @@ def build_program(
     consumer_stages: dict[Any, set[int]] = {}
     rkey = None
     folded: dict[Any, microbatch_keys.Folded] = {}
-    # The loss function's figures of the batch alone (a masked mean's count), made once per step
-    # from the whole batch and read by every microbatch in place of its own.
-    stats = batch_statistics.NONE
     if region_at is not None:
         region = eqns[region_at]
         info = region.params["info"]
@@ -170,8 +171,6 @@ def build_program(
 
         # With several microbatches each reads its own fold of a once-per-step PRNG key.
         folded = microbatch_keys.keys_to_fold(rj, rmap, per_mb, drawing) if nmb > 1 else {}
-        if nmb > 1 and whole is not None:
-            stats = batch_statistics.find(step, whole, batch_vars, nmb)
 
         def rkey(a: Any, j: int) -> Any:  # noqa: F811
             if not _is_var(a):

@@ -154,7 +154,7 @@ def per_example_outputs(
     *,
     batch_ids: Sequence[int],
     num_microbatches: int,
-) -> dict[int, int]:
+) -> tuple[dict[int, int], batch_statistics.Statistics]:
     """The outputs of the step's gradient region that hold a value per example, each with its
     batch dim: aux outputs such as the logits, and the gradients of batch inputs. Microbatches
     concatenate these along it (gradients divided by ``num_microbatches``, as the mean over
@@ -167,7 +167,8 @@ def per_example_outputs(
     not depend on the batch's shape.
 
     Returns:
-      ``{index into the region's outputs: batch dim}``.
+      ``{index into the region's outputs: batch dim}``, and the statistics of the batch that the
+      loss function reads (:func:`~autopar._src.batch_statistics.find`), made once per step.
 
     Raises:
       ValueError: naming a region output whose shape for the batch is not its shape for one
@@ -176,7 +177,7 @@ def per_example_outputs(
     """
     at = step.region_index()
     if num_microbatches == 1 or at is None:
-        return {}
+        return {}, batch_statistics.NONE
     whole = whole_batch()
     region = step.jaxpr.eqns[at]
     num_aux = region.params["info"].num_aux
@@ -198,13 +199,12 @@ def per_example_outputs(
         dims[i] = grown[0]
     # Code reading the per-example outputs is refused later, naming the output.
     seeds = (_batch_values(step, batch_ids, dims), _batch_values(whole, batch_ids, dims))
-    figures = batch_statistics.unread(
-        step, batch_statistics.find(step, whole, {step.arg_vars[i] for i in batch_ids}, num_microbatches)
-    )
+    stats = batch_statistics.find(step, whole, {step.arg_vars[i] for i in batch_ids}, num_microbatches)
+    figures = batch_statistics.unread(step, stats)
     example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches, figures)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures)
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
-    return dims
+    return dims, stats
 
 
 def _batch_values(step: trace.TracedStep, batch_ids: Sequence[int], dims: dict[int, int]) -> set[Any]:
