@@ -348,8 +348,9 @@ def test_gradients_of_batch_inputs_are_concatenated_over_microbatches():
 
 def test_the_batch_shape_read_outside_the_loss_function_is_the_whole_batchs_or_an_error():
     # An examples-seen counter. Outside the loss function the step is traced at one microbatch:
-    # after the gradient that code runs at the whole batch (jit's count), before it (where what
-    # it makes could feed the loss) x.shape[0] would count a quarter of the batch.
+    # that code runs at the whole batch (jit's count) after the gradient, and before it where the
+    # loss does not read it. What the loss reads (here the examples' positions) would be one
+    # microbatch's: an error.
     config = train.tiny_config("mlp")
     state = train.linen_state("mlp", config, optax.sgd(0.1))
     inner = _aux_step(lambda logits, y: logits.mean())
@@ -362,22 +363,26 @@ def test_the_batch_shape_read_outside_the_loss_function_is_the_whole_batchs_or_a
     def counted_before(state_and_seen, batch):
         state, seen = state_and_seen
         seen = seen + batch["x"].shape[0]
-        return (*inner(state, batch)[:1], seen), seen
+        seen_twice = seen * 2  # code before the loss reading the count, and the update reading it
+        state, out = inner(state, batch)
+        return (state.replace(step=state.step + seen_twice), seen), (out, seen_twice)
+
+    def positions_before(state_and_seen, batch):
+        position = jnp.arange(batch["x"].shape[0], dtype=batch["x"].dtype)
+        return inner(state_and_seen[0], {**batch, "x": batch["x"] + 1e-3 * position[:, None]})
 
     batch = train.make_batch("mlp", config, BATCH)
     state = (state, jnp.zeros((), jnp.int32))
-    _assert_outputs_as_jit(counted_after, state, [batch, batch], num_stages=2, num_microbatches=4)
-    par = autopar.autoparallel(counted_after, num_stages=2, num_microbatches=4)
-    assert int(par(state, batch)[0][1]) == BATCH
-    outside = (
-        r"outside the loss function differs .* \(at .*test_region_outputs.*'a:i32\[\] = add b 4:i32\[\]'"
-    )
+    for counted in (counted_after, counted_before):
+        _assert_outputs_as_jit(counted, state, [batch, batch], num_stages=2, num_microbatches=4)
+        par = autopar.autoparallel(counted, num_stages=2, num_microbatches=4)
+        assert int(par(state, batch)[0][1]) == BATCH
+    outside = r"outside the loss function differs .* \(at .*test_region_outputs.*'a:f32\[4\] = iota"
     with pytest.raises(
-        ValueError, match=outside + r" for one of num_microbatches=4, .*16:i32.* for the batch"
+        ValueError, match=outside + r".* for one of num_microbatches=4, .*f32\[16\].* for the batch"
     ):
-        autopar.autoparallel(counted_before, num_stages=2, num_microbatches=4)(state, batch)
-    one = autopar.autoparallel(counted_before, num_stages=2, num_microbatches=1)  # one microbatch: fine
-    assert int(one(state, batch)[1]) == BATCH
+        autopar.autoparallel(positions_before, num_stages=2, num_microbatches=4)(state, batch)
+    _assert_outputs_as_jit(positions_before, state, [batch], num_stages=2, num_microbatches=1)
 
     # Per-microbatch code may depend on the microbatch's shape (here: a loop over its rows).
     def rowwise(state_and_seen, batch):

@@ -16,7 +16,16 @@ from typing import Any
 
 import jax
 
-from autopar._src import batch_statistics, compat, cost, example_mixing, profile, region_outputs, trace
+from autopar._src import (
+    batch_statistics,
+    compat,
+    cost,
+    example_mixing,
+    profile,
+    region_outputs,
+    trace,
+    whole_batch,
+)
 from autopar._src import cluster as cluster_mod
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
 from autopar._src.schedule import ScheduleName
@@ -221,28 +230,37 @@ def _require_batch_free_once_per_step(
     figures: set[Any],
 ) -> None:
     """Checks that the equations before the grad region that read no value of one microbatch
-    (``seeds`` and what derives from them) are the same in the step traced at one microbatch
-    as at the whole batch (``steps``): a batch shape read there (``x.shape[0]`` in an
-    examples-seen counter) would be one microbatch's. The code after the region runs at the
-    whole batch where it differs (:mod:`~autopar._src.whole_batch`), and so does what only makes
-    ``figures``, statistics of the batch (the element count ``jnp.std`` divides by)."""
+    (``seeds`` and what derives from them) and that the microbatches read are the same in the
+    step traced at one microbatch as at the whole batch (``steps``): a batch shape read there
+    (``jnp.arange(x.shape[0])`` as the examples' positions) would be one microbatch's. Where the
+    rest differs (an examples-seen counter updated before the loss), it runs once per step at the
+    whole batch (:mod:`~autopar._src.whole_batch`), as the code after the region does, and so does
+    what only makes ``figures``, statistics of the batch (the element count ``jnp.std`` divides
+    by)."""
     mine, theirs = (_once_per_step(s, seed) for s, seed in zip(steps, seeds, strict=True))
     step = steps[0]
     at = step.region_index()
-    # What the microbatches read of the code before the region, but for the statistics' makings.
-    live = {a for e in step.jaxpr.eqns[at:] for a in e.invars if not compat.is_literal(a)} - figures
-    live |= {v for v in step.jaxpr.outvars if not compat.is_literal(v)}
-    read = set()
-    for e in reversed(step.jaxpr.eqns[:at]):
-        if any(v in live for v in e.outvars) or not e.outvars:
-            read.add(id(e))
-            live.update(a for a in e.invars if not compat.is_literal(a) and a not in figures)
+    # What the step reads of the code before the region, but for the statistics' makings, and of
+    # that, what the microbatches read (``feeding``). The rest runs once per step as its twin at
+    # the whole batch (whole_batch.py), given the two traces' equations pair up.
+    eqns = step.jaxpr.eqns
+    read = _reading(step, [*(a for e in eqns[at:] for a in e.invars), *step.jaxpr.outvars], figures, True)
+    derived = step.derived(seeds[0])
+    per_microbatch = [
+        e for e in eqns[:at] if any(not compat.is_literal(a) and a in derived for a in e.invars)
+    ]
+    feeding = _reading(step, [a for e in (*per_microbatch, eqns[at]) for a in e.invars], figures, False)
+    paired = whole_batch.twins(*steps) is not None
     fills = _microbatch_fills(step, seeds[0])
     for k, eqn in enumerate(mine):
         other = theirs[k] if k < len(theirs) else None
         if other is not None and id(eqn) in fills and _fill_of_the_batch(eqn, other, num_microbatches):
             continue
-        if (other is None or str(eqn) != str(other)) and id(eqn) in read:
+        if (
+            (other is None or str(eqn) != str(other))
+            and id(eqn) in read
+            and (id(eqn) in feeding or not paired)
+        ):
             cause, fix = (
                 (
                     "it draws random values in the batch's shape (e.g. a diffusion loss's noise), "
@@ -273,6 +291,19 @@ def _require_batch_free_once_per_step(
             "reads the batch's shape. Read it inside the loss function, pass it to the step as an "
             "argument, or use num_microbatches=1."
         )
+
+
+def _reading(step: trace.TracedStep, ends: Sequence[Any], figures: set[Any], effects: bool) -> set[int]:
+    """The ``id`` of each equation before the grad region that makes a value of ``ends`` or that
+    such an equation reads, past ``figures`` (with ``effects``: and those without outputs, a
+    ``jax.debug.print``)."""
+    live = {a for a in ends if not compat.is_literal(a)} - figures
+    found = set()
+    for e in reversed(step.jaxpr.eqns[: step.region_index()]):
+        if any(v in live for v in e.outvars) or (effects and not e.outvars):
+            found.add(id(e))
+            live.update(a for a in e.invars if not compat.is_literal(a) and a not in figures)
+    return found
 
 
 def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:

@@ -23,7 +23,7 @@ first, and once more at the whole batch for the second.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from autopar._src import compat, example_mixing
@@ -43,6 +43,10 @@ class WholeBatchCode:
     again: tuple[int, ...]
     """Equations before the grad region, run again at the whole batch for the code after it or
     for the step's outputs."""
+    before: frozenset[int]
+    """Once-per-step equations before the grad region that the microbatches do not read, run
+    as their twins in their place: those that differ at the whole batch (an examples-seen
+    counter reading ``x.shape[0]``) and what reads them there."""
     ops: Mapping[int, Op]
     """Each equation's op: its twin at the whole batch, reading whole-batch keys. Empty when the
     program is built without the whole batch's trace (to time the pipeline's tasks alone)."""
@@ -54,10 +58,10 @@ class WholeBatchCode:
     value."""
 
     def __contains__(self, index: int) -> bool:
-        return index in self.after or index in self.again
+        return index in self.after or index in self.again or index in self.before
 
 
-NONE = WholeBatchCode(frozenset(), (), {}, {}, {})
+NONE = WholeBatchCode(frozenset(), (), frozenset(), {}, {}, {})
 
 
 def _vars(atoms: Any) -> list[Any]:
@@ -92,8 +96,23 @@ def find(
     at = step.region_index()
     assert at is not None, "code after the gradient needs a grad region"
     eqns = step.jaxpr.eqns
-    twin_of = _twins(step, whole) if whole is not None else None
+    twin_of = twins(step, whole) if whole is not None else None
     tainted = set(per_microbatch) | set(joined)
+    # Once-per-step code before the region that differs at the whole batch (it reads the batch's
+    # shape) and that code run per microbatch does not read (planning checks that), with what
+    # reads it before the region: its twins run in its place.
+    moved = set()
+    if twin_of is not None:
+        assert whole is not None
+        per_mb = {i for i in range(at) if any(a in per_microbatch for a in _vars_in(eqns[i]))}
+        feeds = feeding(step, set(range(at)), [at, *per_mb])
+        for i in range(at):
+            reads = _vars(eqns[i].invars)
+            if i in feeds or i in per_mb:
+                continue
+            if str(eqns[i]) != str(whole.jaxpr.eqns[i]) or any(a in tainted for a in reads):
+                moved.add(i)
+                tainted.update(_outs(eqns[i]))
     after = set()
     for i in range(at + 1, len(eqns)):
         # Reading the batch, or its shape (``x.shape[0]``, Python's figure in the equation).
@@ -108,9 +127,9 @@ def find(
         if any(v in wanted for v in _outs(eqns[i])):
             again.append(i)
             wanted.update(a for a in _vars(eqns[i].invars) if a in per_microbatch)
-    indices = sorted([*again, *after])
+    indices = sorted([*moved, *again, *after])
     if whole is None:
-        return WholeBatchCode(frozenset(after), tuple(sorted(again)), {}, {}, {})
+        return WholeBatchCode(frozenset(after), tuple(sorted(again)), frozenset(), {}, {}, {})
     if twin_of is None:
         theirs = whole.jaxpr.eqns[(whole.region_index() or 0) + 1 :]
         differs = [e for e, t in zip(eqns[at + 1 :], theirs, strict=False) if str(e) != str(t)]
@@ -157,13 +176,15 @@ def find(
             key_of[w] = keys[v] = (v, None) if _same_aval(v, w) else (w, None)
             outs.append(key_of[w])
         ops[i] = Op(kind="eqn", eqn=t, ins=ins, outs=tuple(outs))
-    return WholeBatchCode(frozenset(after), tuple(sorted(again)), ops, joins, keys)
+    return WholeBatchCode(frozenset(after), tuple(sorted(again)), frozenset(moved), ops, joins, keys)
 
 
-def feeding(step: TracedStep, before: set[int]) -> set[int]:
-    """The equations of ``before`` (before the grad region) whose values the region reads."""
-    eqns = step.jaxpr.eqns
-    needed = set(_vars_in(eqns[step.region_index()]))
+def feeding(step: TracedStep, before: set[int], readers: Sequence[int] = ()) -> set[int]:
+    """The equations of ``before`` (before the grad region) whose values the region reads (or
+    the equations ``readers``)."""
+    eqns, at = step.jaxpr.eqns, step.region_index()
+    assert at is not None, "code before a grad region"
+    needed = {a for i in readers or [at] for a in _vars_in(eqns[i])}
     found = set()
     for i in sorted(before, reverse=True):
         if any(v in needed for v in _outs(eqns[i])):
@@ -224,7 +245,7 @@ def _same_aval(v: Any, w: Any) -> bool:
     )
 
 
-def _twins(step: TracedStep, whole: TracedStep) -> dict[Any, Any] | None:
+def twins(step: TracedStep, whole: TracedStep) -> dict[Any, Any] | None:
     """The whole trace's variables -> their twins at one microbatch (arguments, constants and
     every equation's outputs), or None where the two traces' equations differ in more than
     their shapes."""
