@@ -37,7 +37,13 @@ LOSSES = {
     "weighted": lambda ce, mask, y: (
         jnp.sum(ce * jnp.where(mask, 1.0 + y % 3, 0.0)) / jnp.sum(jnp.where(mask, 1.0 + y % 3, 0.0))
     ),
+    # Class weights gathered from a constant table (a closed-over array is a constant of the step).
+    "class weights": lambda ce, mask, y: (
+        jnp.sum(ce * jnp.asarray(CLASS_WEIGHTS)[jnp.where(mask, y, 0)] * mask)
+        / jnp.sum(jnp.asarray(CLASS_WEIGHTS)[jnp.where(mask, y, 0)] * mask)
+    ),
 }
+CLASS_WEIGHTS = np.linspace(1.0, 4.0, 10, dtype=np.float32)
 
 
 def _setup(
@@ -118,6 +124,41 @@ OUTSIDE = {
 def test_figures_of_the_batch_made_with_the_examples_or_before_the_loss_equal_jit(how):
     options = OUTSIDE[how]
     step, state, batches = _setup(LOSSES["masked mean"], **options)
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=MICROBATCHES)
+
+
+class _WeighedState(train_state.TrainState):
+    class_weights: jax.Array
+
+
+@pytest.mark.parametrize("where", ["in the loss", "before the loss"])
+def test_class_weights_from_the_state_are_shared_by_the_microbatches_and_equal_jit(where):
+    # The weights' table is an input of the step the microbatches share (not differentiated):
+    # the weights' sum is a statistic of the batch, whether gathered inside the loss or before.
+    _, plain, batches = _setup(LOSSES["masked mean"])
+    state = _WeighedState.create(
+        apply_fn=plain.apply_fn,
+        params=plain.params,
+        tx=optax.sgd(0.1),
+        class_weights=jnp.asarray(CLASS_WEIGHTS),
+    )
+
+    def step(state, batch):
+        mask = batch["y"] != -100
+        labels = jnp.where(mask, batch["y"], 0)
+        before = state.class_weights[labels] * mask
+
+        def loss_fn(params):
+            ce = optax.softmax_cross_entropy_with_integer_labels(
+                state.apply_fn({"params": params}, batch["x"]), labels
+            )
+            weights = before if where == "before the loss" else state.class_weights[labels] * mask
+            return jnp.sum(ce * weights) / jnp.sum(weights)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    assert abs(_microbatch_mean(step, state, batches[0]) - float(jax.jit(step)(state, batches[0])[1])) > 1e-3
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=MICROBATCHES)
 
 

@@ -11,9 +11,12 @@ its share of ``jax.jit``'s loss.
 
 A *statistic* is a float value of the loss function's forward, at its top level, that
 
-- depends on the batch's leaves (and literals) alone: not on the differentiated or other inputs,
-  random draws or the backward's cotangents; made without loops or calls, whose reductions over
-  the batch :mod:`~autopar._src.batch_scaling` might not follow;
+- depends on the batch's leaves, and otherwise only on what every microbatch shares (literals,
+  the step's constants, its arguments outside the batch, e.g. a class-weight table in the
+  state): not on the differentiated inputs (a batch leaf among them too), what the step makes
+  from the batch with loops or random draws, random draws or the backward's cotangents; made
+  without loops or calls, whose reductions over the batch :mod:`~autopar._src.batch_scaling`
+  might not follow;
 - has no dim per example (the two traces, at one microbatch and at the whole batch, give it one
   shape);
 - is read by an equation that makes something else (where the batch's figure meets the model
@@ -35,6 +38,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence, Set
 from typing import Any
+
+import jax
+import numpy as np
 
 from autopar._src import batch_scaling, compat, dependence, layers, whole_batch
 from autopar._src.batch_scaling import Found
@@ -76,12 +82,19 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
         return NONE
     outer = dict(zip(inputs, region.invars, strict=True))
     pre = before_region(step, whole, batch_vars, nmb)
-    from_batch = {v for v in inputs if not compat.is_literal(outer[v]) and outer[v] in pre.batch_only}
+    info = region.params["info"]
+    differentiated = set(rj.invars[len(rj.invars) - info.num_grads :])
+    free = [v for v in inputs if v not in differentiated]
+    from_batch = {v for v in free if not compat.is_literal(outer[v]) and outer[v] in pre.batch_only}
     if not from_batch:
         return NONE
-    bound = set(inputs) - from_batch  # depends on more than the batch
+    # The same for every microbatch, and not differentiated: constants, a class-weight table in
+    # the state (the model's parameters are differentiated; what the step makes from the batch
+    # otherwise, with loops or random draws, is the microbatch's).
+    fixed = {v for v in free if compat.is_literal(outer[v]) or outer[v] in pre.fixed}
+    bound = set(inputs) - from_batch - fixed  # depends on more than the batch
     tainted = set(from_batch)  # depends on the batch
-    plain = set(from_batch)  # made without bodies (loops, calls), whose degrees are followed
+    plain = from_batch | fixed  # made without bodies (loops, calls), whose degrees are followed
     twin = dict(zip(inputs, twin_inputs, strict=True))
     made = set()  # made by an equation at the top level, not a boundary
 
@@ -151,7 +164,7 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
         degree = 0.0 if s is None or s.extreme else None if s.unknown else s.degree
         if degree is not None and float(degree).is_integer():
             degrees[v] = degree
-    return _made_once(step, whole, {**pre.twin, **twin}, degrees, nmb) if degrees else NONE
+    return _made_once(step, whole, {**pre.twin, **twin}, degrees, nmb, pre.fixed) if degrees else NONE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +181,9 @@ class Before:
     """Their variables at the whole batch."""
     given: Found
     """The scalings of the region's inputs (variables of its jaxpr)."""
+    fixed: frozenset[Any] = frozenset()
+    """The step's values before the region that every microbatch shares: its constants, the
+    arguments outside the batch, what is made from them alone."""
 
 
 def before_region(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) -> Before:
@@ -177,25 +193,39 @@ def before_region(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb
     if at is None or at != at_whole or not _same(step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at]):
         return Before(frozenset(batch_vars), {}, {}, {})
     batch_only = set(batch_vars)
-    constant = set()  # made from literals alone (an element count jnp.var divides by)
     pairs = list(zip(step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at], strict=True))
     twin = dict(zip(step.arg_vars, whole.arg_vars, strict=True))
+    derived = step.derived(set(batch_vars))
+    # Shared by the microbatches: the arguments outside the batch, the constants that are the
+    # same at both batch sizes (a class-weight table), what the step makes from them alone.
+    fixed = set(twin) - derived
+    if len(step.const_bindings) == len(whole.const_bindings):
+        for (v, x), (w, y) in zip(step.const_bindings, whole.const_bindings, strict=True):
+            twin[v] = w
+            if _same_value(x, y):
+                fixed.add(v)
+    shaped = set()  # made from literals alone, but at the batch's size (an element count)
     for e, t in pairs:
         twin.update((v, w) for v, w in zip(e.outvars, t.outvars, strict=True) if not compat.is_dropvar(v))
-        if compat.bodies(e) or _draws(e):
-            continue
         read = [a for a in e.invars if not compat.is_literal(a)]
-        if all(a in constant for a in read):
-            constant.update(e.outvars)
-        elif all(a in batch_only or a in constant for a in read):
+        if all(a in fixed for a in read) and str(e) == str(t):
+            fixed.update(v for v in e.outvars if not compat.is_dropvar(v))
+        elif (
+            compat.bodies(e)
+            or _draws(e)
+            or not all(a in batch_only or a in fixed or a in shaped for a in read)
+        ):
+            continue
+        elif any(a in derived for a in read):
             batch_only.update(e.outvars)
-    derived = step.derived(set(batch_vars))
+        else:
+            shaped.update(e.outvars)
     found = batch_scaling.scalings([e for e, _ in pairs], {id(e): t for e, t in pairs}, derived, nmb)
     region = step.jaxpr.eqns[at]
     rj = region.params["info"].jaxpr
     outer = zip([*rj.constvars, *rj.invars], region.invars, strict=True)
     given = {v: found[o] for v, o in outer if not compat.is_literal(o) and o in found}
-    return Before(frozenset(batch_only), found, twin, given)
+    return Before(frozenset(batch_only), found, twin, given, frozenset(fixed))
 
 
 def unread(step: TracedStep, stats: Statistics) -> set[Any]:
@@ -220,6 +250,16 @@ def _same(mine: Sequence[Any], theirs: Sequence[Any]) -> bool:
     )
 
 
+def _same_value(x: Any, y: Any) -> bool:
+    """Whether two constants of the step's traces hold the same value (PRNG keys: the same
+    object)."""
+    if x is y:
+        return True
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        return False
+    return bool(np.shape(x) == np.shape(y) and np.array_equal(np.asarray(x), np.asarray(y)))
+
+
 def _draws(e: Any) -> bool:
     """Whether ``e`` or an equation in its bodies draws random values."""
     return e.primitive.name.startswith(_DRAWS) or any(_draws(q) for b in compat.bodies(e) for q in b.eqns)
@@ -231,16 +271,20 @@ def _made_once(
     twin: Mapping[Any, Any],
     degrees: Mapping[Any, float],
     nmb: int,
+    fixed: Set[Any],
 ) -> Statistics:
     """The ops making each statistic of ``degrees`` once per step (see :class:`Statistics`):
     the twins of the equations that make it, in the region and before it, from the batch's
-    leaves joined. ``twin``: the region's variables at one microbatch -> at the whole batch."""
+    leaves joined and the values of ``fixed`` (the step's, shared by the microbatches).
+    ``twin``: the step's variables at one microbatch -> at the whole batch."""
     region = whole.jaxpr.eqns[whole.region_index()]
     rw = region.params["info"].jaxpr
     outer = dict(zip([*rw.constvars, *rw.invars], region.invars, strict=True))  # region inputs
+    shared = {twin[v]: v for v in fixed if v in twin}  # -> the microbatches' variable
 
     def name(a: Any) -> Any:  # a region input is the value the step passes in
-        return outer.get(a, a)
+        a = outer.get(a, a)
+        return shared.get(a, a)
 
     needed = {twin[v] for v in degrees}
     chain = []
@@ -249,7 +293,7 @@ def _made_once(
             needed = {name(a) for a in needed}
         elif any(w in needed for w in t.outvars if not compat.is_dropvar(w)):
             chain.append(t)
-            needed.update(a for a in t.invars if not compat.is_literal(a))
+            needed.update(a for a in t.invars if not compat.is_literal(a) and name(a) not in fixed)
     ops = []
     for v, w in zip(step.arg_vars, whole.arg_vars, strict=True):
         if w in needed:  # a batch leaf: its microbatches joined
