@@ -406,6 +406,43 @@ def test_code_before_the_gradient_that_combines_examples_is_an_error_with_microb
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
 
 
+def _above_the_median(losses):
+    threshold = jax.lax.stop_gradient(jnp.median(losses))  # the examples above the batch's median
+    kept = (losses >= threshold).astype(losses.dtype)
+    return jnp.sum(losses * kept) / jnp.sum(kept)
+
+
+@pytest.mark.parametrize(
+    "inputs,reduce",
+    [
+        (lambda x: 0.7 * x + 0.3 * jnp.roll(x, 1, axis=0), jnp.mean),  # mixup with the next example
+        (lambda x: x + 0.1 * jnp.flip(x, 0), jnp.mean),
+        (lambda x: x, lambda losses: jax.lax.top_k(losses, 4)[0].mean()),  # the hardest examples
+        (lambda x: x, lambda losses: jnp.sort(losses)[-4:].mean()),
+        (lambda x: x, _above_the_median),
+    ],
+    ids=["roll", "flip", "top_k", "sorted", "median"],
+)
+def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatches(inputs, reduce):
+    """Each microbatch would take among its own examples: neither the loss nor the gradient would
+    be jax.jit's."""
+    _, state, batch = _mlp_step()
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, inputs(batch["x"]))
+            return reduce(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    with pytest.raises(
+        ValueError, match=r"loss function takes examples by their place .*test_features.*num_microbatches=2"
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(state, batch)
+    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
 @pytest.mark.parametrize(
     "edit",
     [

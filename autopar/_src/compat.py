@@ -105,8 +105,10 @@ def call_body(eqn: Any) -> tuple[Any, list[Any]]:
     return body, []
 
 
-def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Applies ``eqn``'s primitive to ``invals`` (as ``jax.core.eval_jaxpr`` does)."""
+def bind_eqn(eqn: Any, invals: Sequence[Any], caller: Any = None) -> list[Any]:
+    """Applies ``eqn``'s primitive to ``invals`` (as ``jax.core.eval_jaxpr`` does). ``caller``:
+    the traceback to give the new equation where ``eqn``'s has no frame of the user's code (an
+    equation of a library's ``jit``, inlined: the call's)."""
     bound = eqn.primitive.get_bind_params(eqn.params)
     # Older jax returned (subfuns, params); 0.10+ returns params only.
     subfuns, params = bound if isinstance(bound, tuple) else ([], bound)
@@ -115,7 +117,8 @@ def bind_eqn(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     # Re-binding under the equation's own source info keeps the user's file and line
     # (and name stack) on the new equation instead of autopar's evaluator.
     info = eqn.source_info
-    with source_info_util.user_context(info.traceback, name_stack=info.name_stack):
+    traceback = info.traceback if caller is None or user_frame(info.traceback) else caller
+    with source_info_util.user_context(traceback, name_stack=info.name_stack):
         if manager is not None:
             with manager:
                 out = eqn.primitive.bind(*subfuns, *invals, **params)
@@ -247,14 +250,21 @@ def source_line(eqn: Any, missing: str = "a line JAX did not record") -> str:
     """``file:line (function)`` of the user code that made ``eqn``: the innermost frame outside
     installed libraries (JAX, Flax, optax, ...) and autopar itself, else JAX's summary, else
     ``missing`` (equations inlined from a nested ``jit`` may have no frames)."""
-    traceback = eqn.source_info.traceback
+    frame = user_frame(eqn.source_info.traceback)
+    if frame is not None:
+        return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+    return source_info_util.summarize(eqn.source_info) or missing
+
+
+def user_frame(traceback: Any) -> Any | None:
+    """The innermost frame of ``traceback`` outside installed libraries and autopar, or None."""
     for frame in getattr(traceback, "frames", None) or ():
         path = os.path.abspath(frame.file_name)
         if not any(part in _LIBRARY_DIRS for part in pathlib.PurePath(path).parts) and not path.startswith(
             _AUTOPAR_DIR
         ):
-            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
-    return source_info_util.summarize(eqn.source_info) or missing
+            return frame
+    return None
 
 
 _LIBRARY_DIRS = frozenset({"site-packages", "dist-packages"})

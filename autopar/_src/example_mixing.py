@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from typing import Any
 
-from autopar._src import compat
+from autopar._src import compat, layers
 from autopar._src.trace import TracedStep
 
 _ALONG = {"rev": "dimensions", "sort": "dimension", "cumsum": "axis", "cumprod": "axis"}
@@ -73,15 +73,58 @@ def require_examples_apart(
             )
 
 
-def _mixing(e: Any, other: Any, nmb: int) -> Any:
+def require_examples_apart_in_loss(
+    step: TracedStep, whole: TracedStep, nmb: int, statistics: Set[Any] = frozenset()
+) -> None:
+    """Raises if the grad region of ``step`` (traced at one of ``nmb`` microbatches; ``whole``: at
+    the whole batch, with the same cuts) takes examples by their position in the batch: another
+    example's values (mixup's ``jnp.flip(x, 0)`` inside the loss function), the hardest examples
+    (``lax.top_k`` of the losses, a sorted slice), a median. Each microbatch would pick from its
+    own examples. Reductions over the examples (the loss's mean; checked by
+    :mod:`~autopar._src.region_outputs`), sorting alone (a dropless mixture of experts orders its
+    tokens by expert and back) and what only makes ``statistics`` (made from the whole batch)
+    are not refused here.
+
+    Raises:
+      ValueError: naming the equation and its source line.
+    """
+    rj = step.jaxpr.eqns[step.region_index()].params["info"].jaxpr
+    rw = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
+    mine = [e for e in rj.eqns if not layers.is_boundary(e)]
+    theirs = [e for e in rw.eqns if not layers.is_boundary(e)]
+    if len(mine) != len(theirs) or any(
+        q.primitive is not r.primitive for q, r in zip(mine, theirs, strict=True)
+    ):
+        return  # code that changes with the batch size: equation by equation says nothing
+    needed = {v for v in rj.outvars if not compat.is_literal(v)} - set(statistics)
+    used = set()
+    for e in reversed(rj.eqns):
+        if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
+            used.add(id(e))
+            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in statistics)
+    for e, other in zip(mine, theirs, strict=True):
+        found = _mixing(e, other, nmb, within=True) if id(e) in used else None
+        if found is not None:
+            raise ValueError(
+                f"The loss function takes examples by their place in the batch (at "
+                f"{compat.source_line(found)}: {str(found).splitlines()[0]!r}): with "
+                f"num_microbatches={nmb} it runs per microbatch and picks among that microbatch's "
+                "examples alone, so what it makes (another example's values as mixup's partner, the "
+                "hardest examples by top_k or a sort, a median) would not be the whole batch's. Do it "
+                "in the data pipeline, pick per example, or use num_microbatches=1."
+            )
+
+
+def _mixing(e: Any, other: Any, nmb: int, within: bool = False) -> Any:
     """``e`` or the equation inside its body that combines examples (``other``: its twin at the
-    whole batch), or None."""
+    whole batch), or None. ``within`` the loss function, reductions over the examples, pairs of
+    them and sorts are left to other checks."""
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
         if len(body.eqns) != len(twin.eqns):
             return None
         pairs = zip(body.eqns, twin.eqns, strict=True)
-        return next((found for q, r in pairs if (found := _mixing(q, r, nmb)) is not None), None)
+        return next((found for q, r in pairs if (found := _mixing(q, r, nmb, within)) is not None), None)
     ins = [
         per_example_dims(a, b, nmb)
         for a, b in zip(e.invars, other.invars, strict=True)
@@ -91,10 +134,14 @@ def _mixing(e: Any, other: Any, nmb: int) -> Any:
     most_in = max((len(d) for d in ins), default=0)
     if most_in == 0:
         return None
-    if any(len(d) < most_in for d in outs) or any(len(d) > most_in for d in outs):
-        return e  # reduced over the examples, or every example against every other
     operand = ins[0] if ins else set()
     name, p = e.primitive.name, e.params
+    if name == "top_k":  # along the last dim
+        return e if len(_shape(e.invars[0])) - 1 in operand else None
+    if not within and (any(len(d) < most_in for d in outs) or any(len(d) > most_in for d in outs)):
+        return e  # reduced over the examples, or every example against every other
+    if within and name == "sort":
+        return None
     if name in _ALONG:
         dims = p[_ALONG[name]]
         dims = dims if isinstance(dims, tuple | list) else (dims,)

@@ -87,8 +87,13 @@ def inline_calls(
     *,
     split_conds: bool = False,
     split_remats: float | None = None,
+    caller: Any = None,
 ) -> list[Any]:
     """Evaluates ``jaxpr`` with every nested ``jit`` call inlined (use under tracing).
+
+    An inlined equation keeps its source line; one that has none of the user's code (inside a
+    library's ``jit``, ``jnp.roll``) gets the line of the outermost call that has one
+    (``caller``: its traceback), which error messages name.
 
     With ``split_conds`` each ``cond`` is also split into one per independent group of its
     results (:func:`autopar._src.cond_split.split_cond`). The step's own sharding constraints
@@ -111,13 +116,21 @@ def inline_calls(
             outs = user_constraints.dropped(eqn, invals)
         elif compat.is_call(eqn):
             body, body_consts = compat.call_body(eqn)
-            outs = inline_calls(body, body_consts, invals, split_conds=split_conds, split_remats=split_remats)
+            traceback = eqn.source_info.traceback
+            outs = inline_calls(
+                body,
+                body_consts,
+                invals,
+                split_conds=split_conds,
+                split_remats=split_remats,
+                caller=caller if caller is not None or compat.user_frame(traceback) is None else traceback,
+            )
         elif remat_split.should_split(eqn, split_remats):
             outs = remat_split.split(eqn, invals, lambda b, c, xs: inline_calls(b, c, xs))
         else:
             split = cond_split.split_cond(eqn, invals) if split_conds else None
             rebound = user_constraints.rebind(eqn, invals, run) if split is None else split
-            outs = compat.bind_eqn(eqn, invals) if rebound is None else rebound
+            outs = compat.bind_eqn(eqn, invals, caller) if rebound is None else rebound
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not compat.is_dropvar(v):
                 env[v] = x

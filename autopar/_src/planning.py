@@ -211,6 +211,7 @@ def per_example_outputs(
     stats = batch_statistics.find(step, whole, {step.arg_vars[i] for i in batch_ids}, num_microbatches)
     figures = batch_statistics.unread(step, stats)
     example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches, figures)
+    example_mixing.require_examples_apart_in_loss(step, whole, num_microbatches, set(stats.values))
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures)
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
     return dims, stats
