@@ -47,7 +47,13 @@ CLASS_WEIGHTS = np.linspace(1.0, 4.0, 10, dtype=np.float32)
 
 
 def _setup(
-    loss_of, standardise=False, mask_outside=False, count_outside=None, scale_outside=False, before=False
+    loss_of,
+    standardise=False,
+    mask_outside=False,
+    count_outside=None,
+    scale_outside=False,
+    before=False,
+    count_first=False,
 ):
     model = Tagger()
     rng = np.random.default_rng(0)
@@ -70,11 +76,14 @@ def _setup(
                 x = x / scale
             if standardise:  # by the batch's statistics, inside the loss function
                 x = (x - x.mean((0, 1))) / (x.std((0, 1)) + 1e-6)
+            first = jnp.sum(batch["y"] != -100) if count_first else None  # an integer, before the model
             logits = state.apply_fn({"params": params}, x)
             mask = outside if mask_outside else batch["y"] != -100
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, batch["y"], 0))
             if counted is not None:
                 return jnp.sum(ce * mask) / counted
+            if first is not None:
+                return jnp.sum(ce * mask) / first
             return loss_of(ce, mask, batch["y"])
 
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
@@ -118,6 +127,15 @@ OUTSIDE = {
     "maximum made outside": {"scale_outside": True},
     "standardised outside": {"before": True},
 }
+
+
+def test_a_count_made_before_the_model_and_cast_after_a_stage_cut_equals_jit_with_two_rows_a_microbatch():
+    # The integer count crosses the layer boundaries as it is and is cast to float after them:
+    # its degree follows it across. With 8 microbatches each has 2 rows for a stage's 4 devices,
+    # while the joined batch the count is made from has 16: each has a layout of its own.
+    step, state, batches = _setup(None, count_first=True)
+    assert abs(_microbatch_mean(step, state, batches[0]) - float(jax.jit(step)(state, batches[0])[1])) > 1e-3
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=8)
 
 
 @pytest.mark.parametrize("how", list(OUTSIDE))

@@ -155,9 +155,9 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             found_before.update((a, None) for a in e.invars if is_statistic_before(a))
     if not found and not found_before:
         return NONE
-    mine = [e for e in rj.eqns if not layers.is_boundary(e)]
+    # Boundaries pass values on as they are (a count made before a cut, cast after it).
     theirs = {id(e): t for e, t in zip(rj.eqns, rw.eqns, strict=True) if not layers.is_boundary(e)}
-    scalings = {**pre.scalings, **batch_scaling.scalings(mine, theirs, tainted, nmb, pre.given)}
+    scalings = {**pre.scalings, **batch_scaling.scalings(rj.eqns, theirs, tainted, nmb, pre.given)}
     degrees = {}
     for v in [*found, *found_before]:
         s = scalings.get(v)

@@ -116,7 +116,9 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
 
     Values are jaxpr variables. An accumulator (the running sum of a gradient over
     microbatches, and its mean) has the layout of the value it sums, and a layer boundary
-    marker's outputs those of its operands, so they are aliases of them.
+    marker's outputs those of its operands, so they are aliases of them. A value joined from
+    its microbatches (a batch leaf, a per-example output) has a shape of its own, so a layout
+    of its own: as a stage input, laid out for its readers.
     """
     count: dict[int, int] = {}
     for t in program.tasks:
@@ -138,6 +140,8 @@ def stage_ops(program: Program, stage: int) -> tuple[list[GraphOp], dict[Any, An
         for op in t.ops:
             if op.kind == "acc":
                 sources = [k for k in op.ins if isinstance(k, tuple) and k[0] is not op.out[0]]
+                if op.mode == "concat":
+                    continue
                 if sources and resolve(sources[0]) is not op.out[0]:
                     alias[op.out[0]] = resolve(sources[0])
             elif layers.is_boundary(op.eqn):  # an identity: its outputs are its operands
