@@ -326,7 +326,7 @@ def test_donated_state_the_step_returns_unchanged_stays_alive():
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["adamw"])
 
 
-@pytest.mark.parametrize("where", ["before", "feeding", "after"])
+@pytest.mark.parametrize("where", ["before", "feeding", "filled", "after"])
 def test_whole_batch_values_outside_the_gradient_equal_jit_with_microbatches(where):
     """What the step makes from the batch outside the loss function for its outputs or after the
     gradient runs once per step at the whole batch, as jax.jit runs it; what also feeds the loss
@@ -341,6 +341,10 @@ def test_whole_batch_values_outside_the_gradient_equal_jit_with_microbatches(whe
             x = jnp.abs(batch["x"])
             new, loss = step(state, {**batch, "x": x})
             return new, loss, jnp.sum(x > 0.5)
+        if where == "filled":  # jnp.where broadcasts its -1.0 to the batch's shape: a fill
+            x = jnp.where(batch["x"] > 0, batch["x"], -1.0)
+            new, loss = step(state, {**batch, "x": x})
+            return new, loss, jnp.sum(x != -1.0)
         new, loss = step(state, batch)
         scale = jnp.mean(batch["x"] ** 2)  # read by the update
         return new.replace(params=jax.tree.map(lambda p: p * scale, new.params)), loss
@@ -359,6 +363,8 @@ def test_whole_batch_values_outside_the_gradient_equal_jit_with_microbatches(whe
         assert int(out_par[-1]) == int(np.sum(batches[-1]["x"] > 0)) > int(np.sum(batches[-1]["x"][:4] > 0))
     if where == "feeding":
         assert int(out_par[-1]) == int(np.sum(np.abs(batches[-1]["x"]) > 0.5))
+    if where == "filled":
+        assert int(out_par[-1]) == int(np.sum(batches[-1]["x"] > 0))
     assert par.plan(state, batch).num_microbatches == 4
 
 

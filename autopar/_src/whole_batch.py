@@ -17,7 +17,8 @@ size, the two traces have the same equations, differing in shapes alone. The twi
   step traced at one microbatch.
 
 Equations before the gradient that feed both the loss and such code run per microbatch for the
-first, and once more at the whole batch for the second.
+first, and once more at the whole batch for the second; so do the fills in the batch's shape they
+read (the constant ``jnp.where`` broadcasts).
 """
 
 from __future__ import annotations
@@ -56,6 +57,10 @@ class WholeBatchCode:
     keys: Mapping[Any, Key]
     """Each variable these equations make (at one microbatch) -> the key of its whole-batch
     value."""
+    fills: tuple[int, ...] = ()
+    """Once-per-step equations before the grad region that make a value in the batch's shape
+    from no value of the batch (``jnp.where``'s broadcast constant) that the equations above read:
+    made again at the whole batch's shape, beside the microbatches' own."""
 
     def __contains__(self, index: int) -> bool:
         return index in self.after or index in self.again or index in self.before
@@ -127,7 +132,24 @@ def find(
         if any(v in wanted for v in _outs(eqns[i])):
             again.append(i)
             wanted.update(a for a in _vars(eqns[i].invars) if a in per_microbatch)
-    indices = sorted([*moved, *again, *after])
+    # Fills in the batch's shape the code above reads (the -100 that jnp.where broadcasts):
+    # made again at the whole batch's shape too, beside the microbatches' own.
+    fills = set()
+    if whole is not None and twin_of is not None:
+        made_at = {v: i for i in range(at) for v in _outs(eqns[i])}
+        stack = [a for i in [*again, *after] for a in _vars(eqns[i].invars)]
+        while stack:
+            i = made_at.get(stack.pop(), -1)
+            if i < 0 or i in fills or i in moved or i in again:
+                continue
+            if any(a in per_microbatch for a in _vars(eqns[i].invars)):
+                continue
+            theirs = whole.jaxpr.eqns[i].outvars
+            if all(_same_aval(v, w) for v, w in zip(eqns[i].outvars, theirs, strict=True)):
+                continue
+            fills.add(i)
+            stack.extend(_vars(eqns[i].invars))
+    indices = sorted([*moved, *again, *after, *fills])
     if whole is None:
         return WholeBatchCode(frozenset(after), tuple(sorted(again)), frozenset(), {}, {}, {})
     if twin_of is None:
@@ -172,11 +194,16 @@ def find(
                 outs.append(None)
                 continue
             # A value whose shape does not follow the batch keeps its name (the step's outputs
-            # and their layouts are named by it); one that does is the whole trace's.
-            key_of[w] = keys[v] = (v, None) if _same_aval(v, w) else (w, None)
+            # and their layouts are named by it); one that does is the whole trace's, as is a
+            # fill's (its microbatch's is made too).
+            key_of[w] = (v, None) if _same_aval(v, w) and i not in fills else (w, None)
+            if i not in fills:
+                keys[v] = key_of[w]
             outs.append(key_of[w])
         ops[i] = Op(kind="eqn", eqn=t, ins=ins, outs=tuple(outs))
-    return WholeBatchCode(frozenset(after), tuple(sorted(again)), frozenset(moved), ops, joins, keys)
+    return WholeBatchCode(
+        frozenset(after), tuple(sorted(again)), frozenset(moved), ops, joins, keys, tuple(sorted(fills))
+    )
 
 
 def feeding(step: TracedStep, before: set[int], readers: Sequence[int] = ()) -> set[int]:
@@ -207,21 +234,24 @@ def input_ops(
     eqns = step.jaxpr.eqns
     first: dict[Any, tuple[int, int]] = {}  # microbatch values -> the first group reading them whole
 
+    made_again = sorted([*at_whole.again, *at_whole.fills])
+    fill_values = {v for i in at_whole.fills for v in _outs(eqns[i])}
+
     def note(i: int, g: tuple[int, int]) -> None:
         for a in _vars_in(eqns[i]):
-            if a in per_mb:
+            if a in per_mb or a in fill_values:
                 first[a] = min(first.get(a, g), g)
 
     for i in sorted(group):
         note(i, group[i])
-    for i in reversed(at_whole.again):
+    for i in reversed(made_again):
         made = [first[v] for v in _outs(eqns[i]) if v in first]
         group[i] = min(made, default=(0, last_stage))
         note(i, group[i])
     ops: dict[tuple[int, int], list[Op]] = {}
     for m, join in at_whole.joins.items():
         ops.setdefault(first.get(m, (0, last_stage)), []).append(join)
-    for i in at_whole.again:
+    for i in made_again:
         ops.setdefault(group[i], []).append(at_whole.ops[i])
     return ops
 
