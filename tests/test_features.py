@@ -454,8 +454,10 @@ def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatc
     [
         lambda x: x.at[:, 0].set(0.0),  # its update: zeros in the batch's shape
         lambda x: jax.vmap(lambda row: jax.lax.dynamic_update_slice(row, jnp.zeros(2), (1,)))(x),
+        # positions per example, as a Hugging Face model's default position_ids
+        lambda x: x + jnp.broadcast_to(0.01 * jnp.arange(x.shape[1], dtype=x.dtype)[None], x.shape),
     ],
-    ids=["column", "vmapped-update"],
+    ids=["column", "vmapped-update", "positions"],
 )
 def test_fills_in_the_batchs_shape_made_outside_the_loss_equal_jit_with_microbatches(edit):
     """A value broadcast to the batch's shape, read only by code run per microbatch, is each

@@ -337,12 +337,15 @@ def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
 
 def _fill_of_the_batch(eqn: Any, other: Any, nmb: int) -> bool:
     """Whether the broadcast ``eqn`` differs from ``other``, its twin at the whole batch, in dims
-    per example alone, which it fills rather than takes from its operand."""
+    per example alone, which it fills rather than takes from its operand (a new dim, or one of
+    size 1 stretched: ``jnp.broadcast_to(jnp.arange(T)[None], ids.shape)``)."""
     grown = example_mixing.per_example_dims(eqn.outvars[0], other.outvars[0], nmb)
     same = [d for d in range(len(eqn.params["shape"])) if d not in grown]
+    operand = getattr(eqn.invars[0].aval, "shape", ())
+    taken = {d for k, d in enumerate(eqn.params["broadcast_dimensions"]) if operand[k] != 1}
     return (
         bool(grown)
-        and not grown & set(eqn.params["broadcast_dimensions"])
+        and not grown & taken
         and all(eqn.params["shape"][d] == other.params["shape"][d] for d in same)
     )
 
