@@ -180,6 +180,41 @@ def test_class_weights_from_the_state_are_shared_by_the_microbatches_and_equal_j
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=MICROBATCHES)
 
 
+@pytest.mark.parametrize("aux", ["perplexity", "linear"])
+def test_a_nonlinear_function_of_a_loss_weighed_by_the_batch_is_an_error_and_a_linear_one_equals_jit(aux):
+    # Each microbatch's masked mean is its share of the whole batch's: averaged, a linear function
+    # of it is jit's, exp of it is not.
+    _, state, batches = _setup(LOSSES["masked mean"])
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["x"])
+            mask = batch["y"] != -100
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, batch["y"], 0))
+            loss = jnp.sum(ce * mask) / jnp.sum(mask)
+            return loss, {"perplexity": jnp.exp(loss)} if aux == "perplexity" else {"nats": 2.0 * loss + 1.0}
+
+        (loss, metrics), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), (loss, metrics)
+
+    if aux == "linear":
+        par = autopar.autoparallel(step, num_stages=2, num_microbatches=MICROBATCHES)
+        for batch in batches:
+            for a, b in zip(
+                jax.tree.leaves(par(state, batch)), jax.tree.leaves(jax.jit(step)(state, batch)), strict=True
+            ):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOLERANCES["sgd"])
+        return
+    with pytest.raises(ValueError, match=r"Aux output 0 .* applies exp \(at .*test_batch_statistics.*share"):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=MICROBATCHES)(state, batches[0])
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=1)
+    np.testing.assert_allclose(
+        np.asarray(par(state, batches[0])[1][1]["perplexity"]),
+        np.asarray(jax.jit(step)(state, batches[0])[1][1]["perplexity"]),
+        **TOLERANCES["sgd"],
+    )
+
+
 def _statistics(step, state, batch):
     leaves = jax.tree.leaves((state, batch))
     batch_ids = list(range(len(leaves) - 2, len(leaves)))

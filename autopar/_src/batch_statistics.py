@@ -62,9 +62,82 @@ class Statistics:
     ops: tuple[Op, ...]
     """The once-per-step ops making those values, in order: the batch's leaves joined, the
     twins at the whole batch, the division of sums by the number of microbatches."""
+    shares: frozenset[Any] = frozenset()
+    """The statistics each microbatch reads a share of (of degree other than 0: a count)."""
 
 
 NONE = Statistics({}, ())
+
+_NONLINEAR = frozenset(
+    {"exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "sqrt", "rsqrt", "cbrt", "tanh"}
+    | {"logistic", "sin", "cos", "tan", "atan", "erf", "erf_inv", "lgamma", "digamma", "square"}
+)
+"""Elementwise primitives that are not linear in their operand."""
+
+
+def require_linear_in_shares(step: TracedStep, stats: Statistics, averaged: Sequence[int]) -> None:
+    """Raises if an averaged output of the grad region of ``step`` (``averaged``: their indices;
+    the loss is 0) applies a nonlinear function to a value made from both a statistic's share
+    and anything else (the model, the examples): ``exp(loss)`` of a masked mean, a perplexity.
+    Each microbatch's loss is its share of the whole batch's, which averages to it only where
+    what is made from it is linear in it.
+
+    Raises:
+      ValueError: naming the output, the equation and its source line.
+    """
+    if not stats.shares:
+        return
+    region = step.jaxpr.eqns[step.region_index()]
+    rj = region.params["info"].jaxpr
+    inputs = [*rj.constvars, *rj.invars]
+    shares = set(stats.shares) | {
+        v
+        for v, o in zip(inputs, region.invars, strict=True)
+        if not compat.is_literal(o) and o in stats.shares
+    }
+    share_made, other_made = set(shares), {v for v in inputs if v not in shares}
+    backward: set[Any] = set()  # made from the backward's cotangent seed
+    for e in rj.eqns:
+        ins = [a for a in e.invars if not compat.is_literal(a)]
+        outs = [v for v in e.outvars if not compat.is_dropvar(v)]
+        if e.primitive is layers.cotangent_seed_p or any(a in backward for a in ins):
+            backward.update(outs)
+            continue
+        pairs = (
+            zip(e.invars, e.outvars, strict=True)
+            if layers.is_boundary(e)
+            else [(a, v) for a in ins for v in outs]
+        )
+        for a, v in pairs:
+            if not compat.is_literal(a) and a in share_made:
+                share_made.add(v)
+            if not compat.is_literal(a) and a in other_made and v not in shares:  # a statistic: made once
+                other_made.add(v)
+
+    def nonlinear(e: Any) -> bool:
+        mixed = [not compat.is_literal(a) and a in share_made and a in other_made for a in e.invars]
+        return (e.primitive.name in _NONLINEAR and any(mixed)) or (e.primitive.name == "div" and mixed[1])
+
+    for i in averaged:
+        needed = {rj.outvars[i]} - {a for a in rj.outvars[i : i + 1] if compat.is_literal(a)}
+        for e in reversed(rj.eqns):
+            made = [k for k, v in enumerate(e.outvars) if v in needed]
+            if not made or any(v in backward for v in e.outvars):
+                continue
+            if layers.is_boundary(e):
+                needed.update(e.invars[k] for k in made if not compat.is_literal(e.invars[k]))
+                continue
+            if nonlinear(e):
+                what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
+                raise ValueError(
+                    f"{what} applies {e.primitive.name} (at {compat.source_line(e)}) to a value made "
+                    "with a figure of the whole batch (a masked mean's token count, made once per "
+                    "step): each microbatch holds its share of that figure, and a nonlinear function "
+                    "of the shares would not average to jax.jit's value. Return the value itself and "
+                    "apply the function after the step (perplexity = exp(loss)), or use "
+                    "num_microbatches=1."
+                )
+            needed.update(a for a in e.invars if not compat.is_literal(a))
 
 
 def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) -> Statistics:
@@ -306,14 +379,16 @@ def _made_once(
         outs = tuple(None if compat.is_dropvar(w) else (w, None) for w in t.outvars)
         ops.append(Op(kind="eqn", eqn=t, ins=ins, outs=outs))
     values: dict[Any, Key] = {}
+    shares = set()
     for v, degree in degrees.items():
         if degree == 0.0:
             values[v] = (name(twin[v]), None)
             continue
+        shares.add(v)
         share = compat.Var(v.aval)
         scale = float(nmb) ** degree
         ops.append(
             Op(kind="acc", mode="mean", ins=((name(twin[v]), None),), outs=((share, None),), divisor=scale)
         )
         values[v] = (share, None)
-    return Statistics(values, tuple(ops))
+    return Statistics(values, tuple(ops), frozenset(shares))

@@ -212,6 +212,8 @@ def per_example_outputs(
     figures = batch_statistics.unread(step, stats)
     example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches, figures)
     example_mixing.require_examples_apart_in_loss(step, whole, num_microbatches, set(stats.values))
+    averaged = [i for i in range(1 + num_aux) if i not in dims]
+    batch_statistics.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures)
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
     return dims, stats
