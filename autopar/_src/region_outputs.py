@@ -332,7 +332,9 @@ def _require_means(
         also = ", and so would the gradients" if i == 0 else ""
         raise ValueError(
             f"{what} ({rv.aval.str_short()}) is {grows}{also}. Divide it by the batch size "
-            f"(jnp.mean rather than jnp.sum), return one value per example, {fix}"
+            f"(jnp.mean rather than jnp.sum) or, for a sum over padded tokens, by their count (the "
+            f"masked mean sum(l * m) / sum(m), which is the whole batch's with microbatches), "
+            f"return one value per example, {fix}"
         )
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
 
