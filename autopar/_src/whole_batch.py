@@ -135,14 +135,15 @@ def find(
     # Fills in the batch's shape the code above reads (the -100 that jnp.where broadcasts):
     # made again at the whole batch's shape too, beside the microbatches' own.
     fills = set()
-    if whole is not None and twin_of is not None:
+    if twin_of is not None:
+        assert whole is not None
         made_at = {v: i for i in range(at) for v in _outs(eqns[i])}
         stack = [a for i in [*again, *after] for a in _vars(eqns[i].invars)]
         while stack:
             i = made_at.get(stack.pop(), -1)
             if i < 0 or i in fills or i in moved or i in again:
                 continue
-            if any(a in per_microbatch for a in _vars(eqns[i].invars)):
+            if any(a in per_microbatch for a in _vars_in(eqns[i])):
                 continue
             theirs = whole.jaxpr.eqns[i].outvars
             if all(_same_aval(v, w) for v, w in zip(eqns[i].outvars, theirs, strict=True)):
