@@ -103,7 +103,8 @@ def _spec_text(spec: Any) -> str:
     peaks = ", ".join(f"{d} {f / 1e9:.1f} GFLOP/s" for d, f in spec.device.peak_flops)
     return (
         f"{spec.name}: {peaks}; memory {spec.device.memory_bandwidth / 1e9:.1f} GB/s; intra-host link "
-        f"{spec.intra_host_bandwidth / 1e9:.2f} GB/s, {spec.intra_host_latency * 1e6:.1f} us"
+        f"{spec.intra_host_bandwidth / 1e9:.2f} GB/s, {spec.intra_host_latency * 1e6:.1f} us; "
+        f"{spec.device.kernel_time * 1e6:.2f} us per kernel"
     )
 
 

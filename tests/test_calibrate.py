@@ -25,6 +25,7 @@ def _figures(spec: ClusterSpec) -> list[float]:
         *dict(spec.device.peak_flops).values(),
         spec.device.memory_bandwidth,
         spec.device.memory_bytes,
+        spec.device.kernel_time,
         spec.intra_host_bandwidth,
         spec.intra_host_latency,
         spec.inter_host_bandwidth,
@@ -43,6 +44,8 @@ def test_calibration_describes_the_eight_cpu_devices(spec8):
     assert spec8.device.memory_bytes == base.device.memory_bytes
     assert spec8.inter_host_latency == base.inter_host_latency
     assert spec8.inter_host_bandwidth <= spec8.intra_host_bandwidth
+    # Each kernel costs the CPU devices more than the floor a chain whose work explained it all would give.
+    assert spec8.device.kernel_time > 1e-7
     # The link was measured, not copied.
     assert (spec8.intra_host_bandwidth, spec8.intra_host_latency) != (
         base.intra_host_bandwidth,
@@ -90,7 +93,14 @@ def test_calibrate_command_prints_the_table_and_writes_the_spec(tmp_path, capsys
     spec = ClusterSpec.load(path)
     assert spec.devices_per_host == 2
     printed = capsys.readouterr().out
-    for row in ("peak float32", "peak bfloat16", "peak float16", "memory bandwidth", "intra-host link"):
+    for row in (
+        "peak float32",
+        "peak bfloat16",
+        "peak float16",
+        "memory bandwidth",
+        "time per kernel",
+        "intra-host link",
+    ):
         assert row in printed
     assert str(path) in printed
 
@@ -157,3 +167,4 @@ def test_cluster_table_lists_every_figure():
     text = report.cluster_table(cluster.H100_SXM_8)
     assert "989.00 TFLOP/s" in text and "3.35 TB/s" in text and "450.00 GB/s" in text
     assert "5.00 us" in text and "74.51 GiB" in text
+    assert "time per kernel" in text

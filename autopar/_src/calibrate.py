@@ -2,7 +2,8 @@
 
 Every figure the cost model reads from a spec is timed on the real devices: peak
 FLOP/s per dtype (a square matmul on one device), memory bandwidth (an elementwise
-pass over a large array) and the intra-host link (an all-reduce over all devices,
+pass over a large array), the time each kernel costs beyond its work
+(:mod:`autopar._src.kernel_time`) and the intra-host link (an all-reduce over all devices,
 solved for latency and bandwidth with the same ring model the planner uses).
 What one host cannot measure (links between hosts) and what the runtime does not
 report (memory size on some platforms) comes from a *base* spec.
@@ -33,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from autopar._src import cluster as cluster_mod
+from autopar._src import kernel_time
 from autopar._src.cluster import REQUIRED_DTYPES, ClusterSpec, DeviceSpec
 
 _MIB = 2**20
@@ -137,6 +139,17 @@ def calibrate(
         for dtype in REQUIRED_DTYPES
     ]
     steps.append(("memory bandwidth", lambda: _bandwidth(local, effort, room)))
+    steps.append(
+        (
+            "kernel time",
+            lambda: kernel_time.measure(
+                local,
+                peak_flops=results["float32 matmul"],
+                memory_bandwidth=results["memory bandwidth"],
+                repeats=effort.repeats,
+            ),
+        )
+    )
     if len(local) > 1:
         steps.append(("link latency", lambda: _allreduce_latency(local, effort)))
         steps.append(
@@ -158,6 +171,7 @@ def calibrate(
             peak_flops=tuple((dtype, results[f"{dtype} matmul"]) for dtype in REQUIRED_DTYPES),
             memory_bandwidth=results["memory bandwidth"],
             memory_bytes=memory_bytes,
+            kernel_time=results["kernel time"],
         ),
         intra_host_bandwidth=intra_bandwidth,
         intra_host_latency=latency,

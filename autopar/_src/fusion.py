@@ -148,3 +148,35 @@ def op_traffic(ops: Sequence[GraphOp]) -> list[float]:
         * float(sum(cost.aval_bytes(v.aval) for v, w in zip(op.eqn.outvars, flags, strict=True) if w))
         for op, flags in zip(ops, written_outputs(ops), strict=True)
     ]
+
+
+LAYOUT_PRIMITIVES: frozenset[str] = frozenset("reshape squeeze expand_dims".split())
+"""Equations that only relabel their operand's dims: on a value already in memory, a bitcast."""
+
+
+def op_kernels(ops: Sequence[GraphOp]) -> list[float]:
+    """Kernels each op launches per step (its weight included), as XLA's fusion leaves them.
+
+    A heavy op is a kernel of its own, and so is an op that cannot fuse (a gather, a scatter,
+    a sort); a chain of :func:`fusible` ops is one loop, counted at the op whose output it
+    writes (:func:`written_outputs`), unless the chain only relabels a value already in
+    memory (:data:`LAYOUT_PRIMITIVES` after a matmul, say: a bitcast). A :func:`regenerated`
+    value costs none.
+    """
+    flags = written_outputs(ops)
+    # Values a fused loop computes and keeps in registers for its readers in the same loop.
+    working: set[Any] = set()
+    kernels = []
+    for op, written in zip(ops, flags, strict=True):
+        eqn = op.eqn
+        if regenerated(eqn):
+            kernels.append(0.0)
+            continue
+        alone = bool(cost.eqn_flops(eqn)) or not fusible(eqn)
+        works = not alone and (
+            eqn.primitive.name not in LAYOUT_PRIMITIVES or any(k in working for k in op.ins if k is not None)
+        )
+        if works:
+            working.update(k for k, w in zip(op.outs, written, strict=True) if k is not None and not w)
+        kernels.append(op.weight * float(alone or (works and any(written))))
+    return kernels

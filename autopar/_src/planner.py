@@ -200,6 +200,10 @@ def stage_costs(
     fixed_traffic = ranges(weight_sized)
     traffic = ranges((traffic - weight_sized) * batch_scale)
     params = ranges(profile.param_bytes) + profile.borrowed_bytes  # the gradients each range sums
+    # Every device of a stage runs each of its kernels once per microbatch, however small.
+    launches = (
+        ranges(profile.kernels if profile.kernels.size else np.zeros(n_layers)) * spec.device.kernel_time
+    )
     acts = ranges(profile.boundary_bytes * batch_scale)
     out_bytes = np.broadcast_to(profile.boundary_bytes[None, :] * batch_scale, (n_layers, n_layers))
     valid = np.triu(np.ones((n_layers, n_layers), dtype=bool))
@@ -209,7 +213,9 @@ def stage_costs(
         for q, (dp, tp) in enumerate(logical[k]):
             # Both shrink with the devices: each one's share of the batch, or of the split dims.
             bandwidth = spec.device.memory_bandwidth
-            compute = (flops / peak + traffic / bandwidth) / (dp * tp) + fixed_traffic / bandwidth / tp
+            compute = (
+                (flops / peak + traffic / bandwidth) / (dp * tp) + fixed_traffic / bandwidth / tp + launches
+            )
             # Each axis over the links it spans (the model axis innermost, within a host if it fits).
             dp_link, tp_link = cluster_mod.axis_links(spec, (dp, tp))
             # Megatron-style: two all-reduces of the activations per layer, forward and backward.
@@ -217,7 +223,7 @@ def stage_costs(
             grad_sync = _allreduce(params / tp, dp, dp_link) / num_microbatches
             send = 2 * (out_bytes / dp / link.bandwidth + link.latency)
             if sharded is not None:
-                lat = ranges(sharded[:, k, q] * batch_scale) + send + 2 * task_overhead
+                lat = ranges(sharded[:, k, q] * batch_scale) + launches + send + 2 * task_overhead
             else:
                 lat = compute + tp_comm + grad_sync + send + 2 * task_overhead
             if measured is not None and tp == 1:

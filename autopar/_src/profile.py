@@ -60,6 +60,10 @@ class LayerProfile:
     microbatch (weight-sized values: casts of the weights, their gradients), read off a second
     trace at twice the rows (:func:`fixed_traffic`); it is moved again for every microbatch
     and by every data-parallel device. Empty: all traffic grows with the microbatch."""
+    kernels: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """Kernels each layer's forward plus backward launches per microbatch
+    (:func:`autopar._src.fusion.op_kernels`), each priced at the device's
+    :attr:`~autopar._src.cluster.DeviceSpec.kernel_time`. Empty: none."""
 
     shared_params: tuple[tuple[float, tuple[int, ...]], ...] = ()
     """Parameters the forwards of several layers read (a tied weight): their bytes and those
@@ -116,8 +120,10 @@ def layer_profile(
     traffic = {"F": np.zeros(num_layers), "B": np.zeros(num_layers)}
     graph_ops = expansion.region_ops(rj, where, num_layers)[0]
     moved_by_op = fusion.op_traffic(graph_ops)
-    for op, moved in zip(graph_ops, moved_by_op, strict=True):
+    kernels = np.zeros(num_layers)
+    for op, moved, launched in zip(graph_ops, moved_by_op, fusion.op_kernels(graph_ops), strict=True):
         traffic[op.task[1]][op.task[0]] += moved
+        kernels[op.task[0]] += launched
     fixed = fixed_traffic(graph_ops, moved_by_op, doubled, num_layers) if doubled is not None else np.zeros(0)
     for eqn, (layer, pass_) in zip(rj.eqns, where, strict=True):
         if pass_ == "B":
@@ -199,6 +205,7 @@ def layer_profile(
         forward_traffic=traffic["F"],
         backward_traffic=traffic["B"],
         fixed_traffic=fixed,
+        kernels=kernels,
     )
 
 

@@ -82,7 +82,8 @@ def plan_table(plan: Plan, width: int = 120) -> str:
 
 
 def cluster_table(spec: ClusterSpec, width: int = 100) -> str:
-    """The spec as a text table: peak FLOP/s per dtype, memory bandwidth and size, links."""
+    """The spec as a text table: peak FLOP/s per dtype, memory bandwidth and size, time per
+    kernel, links."""
     table = Table(title=f"cluster {spec.name}", title_justify="left")
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -92,6 +93,7 @@ def cluster_table(spec: ClusterSpec, width: int = 100) -> str:
         table.add_row(f"peak {dtype}", _rate(flops, "FLOP/s"))
     table.add_row("memory bandwidth", _rate(spec.device.memory_bandwidth, "B/s"))
     table.add_row("memory", format_bytes(spec.device.memory_bytes))
+    table.add_row("time per kernel", _seconds(spec.device.kernel_time))
     table.add_row("intra-host link", _rate(spec.intra_host_bandwidth, "B/s"))
     table.add_row("intra-host latency", _seconds(spec.intra_host_latency))
     table.add_row("inter-host link", _rate(spec.inter_host_bandwidth, "B/s"))
