@@ -395,8 +395,11 @@ def test_whole_batch_code_that_changes_with_the_batch_size_is_an_error_with_micr
         lambda x: x + 0.01 * jnp.sort(x, axis=0),
         lambda x: x.at[0].set(0.0),  # the batch's first example, by position
         lambda x: jax.lax.dynamic_update_slice(x, jnp.zeros((2, x.shape[1])), (1, 0)),
+        # mixup's partner by a random permutation of the batch, and a mirror by gathered positions
+        lambda x: 0.7 * x + 0.3 * x[jax.random.permutation(jax.random.key(0), x.shape[0])],
+        lambda x: x + 0.1 * x[jnp.arange(x.shape[0])[::-1]],
     ],
-    ids=["roll", "rev", "cumsum", "sort", "scatter", "update-slice"],
+    ids=["roll", "rev", "cumsum", "sort", "scatter", "update-slice", "permutation", "gathered-rev"],
 )
 def test_code_before_the_gradient_that_combines_examples_is_an_error_with_microbatches(mix):
     """Run per microbatch, it would see one microbatch's examples: not jax.jit's result."""
@@ -426,8 +429,9 @@ def _above_the_median(losses):
         (lambda x: x, lambda losses: jax.lax.top_k(losses, 4)[0].mean()),  # the hardest examples
         (lambda x: x, lambda losses: jnp.sort(losses)[-4:].mean()),
         (lambda x: x, _above_the_median),
+        (lambda x: 0.7 * x + 0.3 * x[jax.random.permutation(jax.random.key(0), x.shape[0])], jnp.mean),
     ],
-    ids=["roll", "flip", "top_k", "sorted", "median"],
+    ids=["roll", "flip", "top_k", "sorted", "median", "permutation"],
 )
 def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatches(inputs, reduce):
     """Each microbatch would take among its own examples: neither the loss nor the gradient would

@@ -16,6 +16,7 @@ from autopar._src import (
     driver,
     intra_op,
     memory,
+    microbatch_checks,
     microbatch_keys,
     multihost,
     partition,
@@ -70,7 +71,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
     assert isinstance(spec, ClusterSpec), "Options parses a cluster's name"
     searched = spec  # the cluster the stage search plans for
     failed: NoLayoutFitsError | None = None
-    # The step at the whole batch, once per plan's cuts (see planning.per_example_outputs): its
+    # The step at the whole batch, once per plan's cuts (see microbatch_checks.per_example_outputs): its
     # region is compared with the plan's equation by equation, so it is cut in the same places.
     whole_batch = functools.cache(
         lambda cuts: planning.trace_at(
@@ -93,7 +94,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
                 step, plan = planning.reuse_plan(
                     fn, args, plan=agreed, batch_ids=batch_ids, batch_size=batch_size, devices=devices
                 )
-        per_example, stats = planning.per_example_outputs(
+        per_example, stats = microbatch_checks.per_example_outputs(
             step,
             functools.partial(whole_batch, tuple(plan.cuts)),
             batch_ids=batch_ids,

@@ -14,11 +14,17 @@ step traced at one microbatch and at the whole batch tell the per-example dims a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence, Set
 from typing import Any
 
+import numpy as np
+
 from autopar._src import compat, layers
 from autopar._src.trace import TracedStep
+
+_STATIC_ELEMENTS = 1 << 20
+"""Indices of at most this many elements made from no input are evaluated to check them."""
 
 _ALONG = {"rev": "dimensions", "sort": "dimension", "cumsum": "axis", "cumprod": "axis"}
 _ALONG.update({"cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis"})
@@ -62,7 +68,11 @@ def require_examples_apart(
         if not any(not compat.is_literal(a) and a in tainted for a in e.invars):
             continue
         tainted.update(v for v in e.outvars if not compat.is_dropvar(v))
-        found = _mixing(e, other, nmb) if k in feeding else None
+        found = (
+            _mixing(e, other, nmb, _Indices(tainted, _Static(mine, step), _Static(theirs, whole)))
+            if k in feeding
+            else None
+        )
         if found is not None:
             raise ValueError(
                 f"The step's code before the gradient combines examples (at {compat.source_line(found)}: "
@@ -102,8 +112,14 @@ def require_examples_apart_in_loss(
         if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
             used.add(id(e))
             needed.update(a for a in e.invars if not compat.is_literal(a) and a not in statistics)
+    # Values made from the microbatch's examples (not from positions, keys or constants alone).
+    data = {v for v, w in zip(rj.invars, rw.invars, strict=True) if per_example_dims(v, w, nmb)}
+    for e in rj.eqns:
+        if any(not compat.is_literal(a) and a in data for a in e.invars):
+            data.update(v for v in e.outvars if not compat.is_dropvar(v))
+    indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns))
     for e, other in zip(mine, theirs, strict=True):
-        found = _mixing(e, other, nmb, within=True) if id(e) in used else None
+        found = _mixing(e, other, nmb, within=True, indices=indices) if id(e) in used else None
         if found is not None:
             raise ValueError(
                 f"The loss function takes examples by their place in the batch (at "
@@ -115,16 +131,20 @@ def require_examples_apart_in_loss(
             )
 
 
-def _mixing(e: Any, other: Any, nmb: int, within: bool = False) -> Any:
+def _mixing(e: Any, other: Any, nmb: int, indices: _Indices | None = None, within: bool = False) -> Any:
     """``e`` or the equation inside its body that combines examples (``other``: its twin at the
     whole batch), or None. ``within`` the loss function, reductions over the examples, pairs of
-    them and sorts are left to other checks."""
+    them and sorts are left to other checks. ``indices`` tells a gather's or scatter's
+    per-example indices that pick each example's own rows from those that pick by place (None,
+    inside a body: all are taken as each example's own)."""
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
         if len(body.eqns) != len(twin.eqns):
             return None
         pairs = zip(body.eqns, twin.eqns, strict=True)
-        return next((found for q, r in pairs if (found := _mixing(q, r, nmb, within)) is not None), None)
+        return next(
+            (found for q, r in pairs if (found := _mixing(q, r, nmb, within=within)) is not None), None
+        )
     ins = [
         per_example_dims(a, b, nmb)
         for a, b in zip(e.invars, other.invars, strict=True)
@@ -159,9 +179,9 @@ def _mixing(e: Any, other: Any, nmb: int, within: bool = False) -> Any:
             whole_dims = [tuple(p["padding_config"][d]) == (0, 0, 0) for d in operand]
         elif name == "dynamic_slice":
             whole_dims = [p["slice_sizes"][d] == full[d] for d in operand]
-        else:  # indices with a per-example dim pick each example's own row (take_along_axis)
+        else:  # indices made per example from its values pick its own row (take_along_axis)
             batching = set(getattr(p["dimension_numbers"], "operand_batching_dims", ()))
-            aligned = len(ins) > 1 and bool(ins[1])
+            aligned = _own_indices(e, other, ins, operand, nmb, indices)
             whole_dims = [aligned or d in batching or p["slice_sizes"][d] == full[d] for d in operand]
         return None if all(whole_dims) else e
     if name == "dynamic_update_slice":  # writes some examples' rows: those at one position
@@ -172,9 +192,80 @@ def _mixing(e: Any, other: Any, nmb: int, within: bool = False) -> Any:
         picked = set(numbers.scatter_dims_to_operand_dims) - set(
             getattr(numbers, "operand_batching_dims", ())
         )
-        aligned = len(ins) > 1 and bool(ins[1])  # indices per example pick each one's own rows
+        aligned = _own_indices(e, other, ins, operand, nmb, indices)  # each example's own rows
         return e if operand & picked and not aligned else None
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """The values of variables that ``eqns`` make from literals and constants alone."""
+
+    eqns: Sequence[Any]
+    step: TracedStep | None = None
+    """Gives the constants' values (the code before the region); None: the region's."""
+
+    def value(self, v: Any) -> np.ndarray | None:
+        """``v``'s value, or None where it reads an input (or is too large to evaluate)."""
+        producer = {id(w): e for e in self.eqns for w in e.outvars}
+        known: dict[Any, Any] = dict(self.step.const_bindings) if self.step is not None else {}
+        return self._value(v, producer, known, depth=0)
+
+    def _value(self, v: Any, producer: dict[int, Any], known: dict[Any, Any], depth: int) -> Any:
+        if compat.is_literal(v):
+            return v.val
+        if v in known:
+            return known[v]
+        e = producer.get(id(v))
+        if e is None or depth > 64 or np.prod(_shape(v)) > _STATIC_ELEMENTS:
+            return None
+        ins = [self._value(a, producer, known, depth + 1) for a in e.invars]
+        if any(x is None for x in ins):
+            return None
+        known.update(zip(e.outvars, compat.bind_eqn(e, ins), strict=True))
+        return known[v]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Indices:
+    """What tells whether a gather's or scatter's per-example indices are each example's own."""
+
+    data: Set[Any]
+    """Values made from the examples' values: indices among them (a mixture of experts' routing,
+    ``take_along_axis`` by the labels) pick from the example they are made for."""
+    mine: _Static
+    """Index values made from no input, at one microbatch."""
+    theirs: _Static
+    """The same at the whole batch."""
+
+
+def _own_indices(
+    e: Any, other: Any, ins: list[set[int]], operand: set[int], nmb: int, indices: _Indices | None
+) -> bool:
+    """Whether ``e``'s indices (its second operand; ``other``: its twin at the whole batch) are
+    per example and each example's own: made from the examples' values, or, made from none (an
+    iota: ``jnp.repeat(jnp.arange(n), k)`` as embedding bags' segments), such that the whole
+    batch's are each microbatch's shifted to its rows. A random permutation of the batch, or
+    ``jnp.arange(n)[::-1]``, picks by place."""
+    if len(ins) < 2 or not ins[1]:
+        return False
+    if indices is None or e.invars[1] in indices.data:
+        return True
+    part, whole = indices.mine.value(e.invars[1]), indices.theirs.value(other.invars[1])
+    if part is None or whole is None or len(ins[1]) != 1:
+        return False
+    part, whole = np.asarray(part), np.asarray(whole)
+    (dim,) = ins[1]
+    numbers = e.params["dimension_numbers"]
+    picked = tuple(
+        numbers.start_index_map if e.primitive.name == "gather" else numbers.scatter_dims_to_operand_dims
+    )
+    rows = _shape(e.invars[0])
+    # Microbatch m's indices are the first microbatch's, moved by m microbatches' rows along
+    # each per-example dim of the operand they pick.
+    shift = np.array([rows[d] if d in operand else 0 for d in picked], dtype=part.dtype)
+    expected = np.concatenate([part + m * shift for m in range(nmb)], axis=dim)
+    return expected.shape == whole.shape and bool(np.array_equal(expected, whole))
 
 
 def _shape(v: Any) -> tuple[int, ...]:

@@ -108,7 +108,7 @@ def build_program(
     """Partitions a traced step according to ``plan``.
 
     ``per_example`` maps the region outputs that hold a value per example to their batch dim
-    (:func:`autopar._src.planning.per_example_outputs`): their microbatches' values are
+    (:func:`autopar._src.microbatch_checks.per_example_outputs`): their microbatches' values are
     concatenated, as one value of the whole batch's shape; the other region outputs are
     averaged. ``drawing`` (:func:`autopar._src.microbatch_keys.drawing_per_example`) names the
     region inputs from which the loss draws random values per example: such a PRNG key is
@@ -117,7 +117,7 @@ def build_program(
     without it, with several microbatches, that code is left out (a program whose pipeline tasks
     alone are timed). ``stats`` are the loss function's statistics of the batch
     (:func:`autopar._src.batch_statistics.find`, from
-    :func:`~autopar._src.planning.per_example_outputs`): made once per step from the whole batch,
+    :func:`~autopar._src.microbatch_checks.per_example_outputs`): made once per step from the whole batch,
     every microbatch reads its share of them in place of its own.
 
     Raises:
