@@ -460,8 +460,10 @@ def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatc
         lambda x: jax.vmap(lambda row: jax.lax.dynamic_update_slice(row, jnp.zeros(2), (1,)))(x),
         # positions per example, as a Hugging Face model's default position_ids
         lambda x: x + jnp.broadcast_to(0.01 * jnp.arange(x.shape[1], dtype=x.dtype)[None], x.shape),
+        lambda x: x + jnp.tile(0.01 * jnp.arange(x.shape[1], dtype=x.dtype), (x.shape[0], 1)),
+        lambda x: x * (jnp.ones(x.shape, x.dtype) + 0.01 * jnp.arange(x.shape[1], dtype=x.dtype)),
     ],
-    ids=["column", "vmapped-update", "positions"],
+    ids=["column", "vmapped-update", "positions", "tiled-positions", "ones-plus-positions"],
 )
 def test_fills_in_the_batchs_shape_made_outside_the_loss_equal_jit_with_microbatches(edit):
     """A value broadcast to the batch's shape, read only by code run per microbatch, is each

@@ -222,7 +222,11 @@ class _Static:
         ins = [self._value(a, producer, known, depth + 1) for a in e.invars]
         if any(x is None for x in ins):
             return None
-        known.update(zip(e.outvars, compat.bind_eqn(e, ins), strict=True))
+        try:
+            outs = compat.bind_eqn(e, ins)
+        except Exception:  # noqa: BLE001 - a primitive that cannot run on values here: not known
+            return None
+        known.update(zip(e.outvars, outs, strict=True))
         return known[v]
 
 

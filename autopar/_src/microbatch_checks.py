@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from autopar._src import batch_statistics, compat, example_mixing, region_outputs, trace, whole_batch
+from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
 
 
 def per_example_outputs(
@@ -116,9 +117,15 @@ def _require_batch_free_once_per_step(
     feeding = _reading(step, [a for e in (*per_microbatch, eqns[at]) for a in e.invars], figures, False)
     paired = whole_batch.twins(*steps) is not None
     fills = _microbatch_fills(step, seeds[0])
+    filled: set[Any] = set()  # values found to be fills
     for k, eqn in enumerate(mine):
         other = theirs[k] if k < len(theirs) else None
-        if other is not None and id(eqn) in fills and _fill_of_the_batch(eqn, other, num_microbatches):
+        if (
+            other is not None
+            and id(eqn) in fills
+            and _fill_of_the_batch(eqn, other, num_microbatches, filled)
+        ):
+            filled.update(eqn.outvars)
             continue
         if (
             (other is None or str(eqn) != str(other))
@@ -171,9 +178,10 @@ def _reading(step: trace.TracedStep, ends: Sequence[Any], figures: set[Any], eff
 
 
 def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
-    """The ``id`` of each equation before the grad region that broadcasts and whose values only
-    code run per microbatch reads (before the region, or the region): at one
-    microbatch's shape, such a fill (``jnp.zeros(x.shape[0])`` as the update of
+    """The ``id`` of each equation before the grad region that may make a fill (a broadcast,
+    a tile, an elementwise equation: :func:`_fill_of_the_batch` decides) and whose values only
+    code run per microbatch reads (before the region, or the region), directly or through other
+    such equations: at one microbatch's shape, a fill (``jnp.zeros(x.shape[0])`` as the update of
     ``x.at[:, 0].set(0.0)``) is each microbatch's part of the whole batch's, the same value
     everywhere."""
     at = step.region_index()
@@ -189,28 +197,53 @@ def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
             if not compat.is_literal(a):
                 readers.setdefault(a, []).append(id(e))
     returned = {v for v in step.jaxpr.outvars if not compat.is_literal(v)}
-    return {
-        id(e)
-        for e in eqns[:at]
-        if e.primitive.name == "broadcast_in_dim"
-        and e.outvars[0] not in returned
-        and all(r in per_microbatch for r in readers.get(e.outvars[0], []))
-    }
+    found: set[int] = set()
+    for e in reversed(eqns[:at]):  # readers first: a fill may feed another
+        if (
+            _FILLING.get(e.primitive.name, e.primitive.name in ELEMENTWISE_PRIMITIVES)
+            and len(e.outvars) == 1
+            and e.outvars[0] not in returned
+            and all(r in per_microbatch or r in found for r in readers.get(e.outvars[0], []))
+        ):
+            found.add(id(e))
+    return found
 
 
-def _fill_of_the_batch(eqn: Any, other: Any, nmb: int) -> bool:
-    """Whether the broadcast ``eqn`` differs from ``other``, its twin at the whole batch, in dims
-    per example alone, which it fills rather than takes from its operand (a new dim, or one of
-    size 1 stretched: ``jnp.broadcast_to(jnp.arange(T)[None], ids.shape)``)."""
+_FILLING = {"broadcast_in_dim": True, "tile": True}
+"""Primitives besides the elementwise ones that may make a fill."""
+
+
+def _fill_of_the_batch(eqn: Any, other: Any, nmb: int, fills: set[Any]) -> bool:
+    """Whether ``eqn`` differs from ``other``, its twin at the whole batch, in dims per example
+    alone, along which its value is the same everywhere: a broadcast or tile that makes them from
+    nothing (a new dim, or one of size 1 stretched: ``jnp.broadcast_to(jnp.arange(T)[None],
+    ids.shape)``, ``jnp.tile(jnp.arange(T), (n, 1))``), or an elementwise equation of such
+    values (``fills``) and of values the same in both traces that do not vary along those dims
+    (``jnp.ones(x.shape) + jnp.arange(T)``)."""
     grown = example_mixing.per_example_dims(eqn.outvars[0], other.outvars[0], nmb)
-    same = [d for d in range(len(eqn.params["shape"])) if d not in grown]
-    operand = getattr(eqn.invars[0].aval, "shape", ())
-    taken = {d for k, d in enumerate(eqn.params["broadcast_dimensions"]) if operand[k] != 1}
-    return (
-        bool(grown)
-        and not grown & taken
-        and all(eqn.params["shape"][d] == other.params["shape"][d] for d in same)
-    )
+    if not grown:
+        return False
+    name = eqn.primitive.name
+    if name == "broadcast_in_dim":
+        same = [d for d in range(len(eqn.params["shape"])) if d not in grown]
+        operand = getattr(eqn.invars[0].aval, "shape", ())
+        taken = {d for k, d in enumerate(eqn.params["broadcast_dimensions"]) if operand[k] != 1}
+        return not grown & taken and all(eqn.params["shape"][d] == other.params["shape"][d] for d in same)
+    if name == "tile":
+        operand = getattr(eqn.invars[0].aval, "shape", ())
+        reps, theirs = eqn.params["reps"], other.params["reps"]
+        return all(operand[d] == 1 for d in grown) and all(
+            reps[d] == theirs[d] for d in range(len(reps)) if d not in grown
+        )
+    if str(eqn.params) != str(other.params):
+        return False
+    for a, b in zip(eqn.invars, other.invars, strict=True):
+        if compat.is_literal(a) or a in fills:
+            continue
+        shape = getattr(a.aval, "shape", ())
+        if shape != getattr(b.aval, "shape", ()) or any(d < len(shape) and shape[d] != 1 for d in grown):
+            return False
+    return True
 
 
 def _once_per_step(step: trace.TracedStep, seeds: set[Any]) -> list[Any]:
