@@ -64,15 +64,12 @@ def require_examples_apart(
             feeding.add(k)
             needed.update(a for a in mine[k].invars if not compat.is_literal(a) and a not in whole_figures)
     tainted = {step.arg_vars[i] for i in batch_ids}
+    indices = _Indices(tainted, _Static(mine, step), _Static(theirs, whole))  # tainted as it grows
     for k, (e, other) in enumerate(zip(mine, theirs, strict=True)):
         if not any(not compat.is_literal(a) and a in tainted for a in e.invars):
             continue
         tainted.update(v for v in e.outvars if not compat.is_dropvar(v))
-        found = (
-            _mixing(e, other, nmb, _Indices(tainted, _Static(mine, step), _Static(theirs, whole)))
-            if k in feeding
-            else None
-        )
+        found = _mixing(e, other, nmb, indices) if k in feeding else None
         if found is not None:
             raise ValueError(
                 f"The step's code before the gradient combines examples (at {compat.source_line(found)}: "
@@ -145,10 +142,10 @@ def _mixing(e: Any, other: Any, nmb: int, indices: _Indices | None = None, withi
         return next(
             (found for q, r in pairs if (found := _mixing(q, r, nmb, within=within)) is not None), None
         )
+    # Per operand, in order (a literal has none).
     ins = [
-        per_example_dims(a, b, nmb)
+        set() if compat.is_literal(a) else per_example_dims(a, b, nmb)
         for a, b in zip(e.invars, other.invars, strict=True)
-        if not compat.is_literal(a)
     ]
     outs = [per_example_dims(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)]
     most_in = max((len(d) for d in ins), default=0)
