@@ -33,7 +33,7 @@ from autopar._src.sharding_ilp import NoLayoutFitsError
 from autopar._src.trace import TracedStep, TraceOptions
 
 if TYPE_CHECKING:
-    from autopar._src.api import Options
+    from autopar._src.options import Options
 
 
 MEMORY_REPLANS = 3
