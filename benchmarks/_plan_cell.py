@@ -87,11 +87,14 @@ def _stage_search(costs, common: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def _cluster(preset: str, num_devices: int):
+def _cluster(preset: str, num_devices: int, kernel_time: float = 0.0):
+    """The preset's cluster of ``num_devices`` (8 per host), its devices' time per kernel set to
+    ``kernel_time`` (the presets have none)."""
     from autopar._src.cluster import preset as cluster_preset
 
     per_host = min(num_devices, 8)
-    return cluster_preset(preset, num_devices // per_host, devices_per_host=per_host)
+    spec = cluster_preset(preset, num_devices // per_host, devices_per_host=per_host)
+    return dataclasses.replace(spec, device=dataclasses.replace(spec.device, kernel_time=kernel_time))
 
 
 def _ilp_candidates(batch_size: int, ilp_microbatches: tuple[int, ...]) -> tuple[int, ...]:
@@ -101,11 +104,15 @@ def _ilp_candidates(batch_size: int, ilp_microbatches: tuple[int, ...]) -> tuple
 def _compute_bound(prof, spec) -> float:
     """The analytic costs' lower bound on any plan's step: the step's FLOPs over all devices'
     peak plus its memory traffic over all devices' bandwidth (every stage's compute term is
-    both over its devices)."""
+    both over its devices), plus its kernels' time over the most stages a plan can have (every
+    device of a stage runs the stage's kernels for each microbatch: only stages share them)."""
     flops = float((prof.forward_flops + prof.backward_flops).sum())
     traffic = float((prof.forward_traffic + prof.backward_traffic).sum())
     device = spec.device
-    return (flops / device.flops(prof.dtype) + traffic / device.memory_bandwidth) / spec.num_devices
+    launches = float(prof.kernels.sum()) * device.kernel_time / min(spec.num_devices, prof.num_layers)
+    return (
+        flops / device.flops(prof.dtype) + traffic / device.memory_bandwidth
+    ) / spec.num_devices + launches
 
 
 def plan_cell(
@@ -118,9 +125,11 @@ def plan_cell(
     costs: str = "analytic",
     ilp_microbatches: tuple[int, ...] = (64,),
     num_layers: int | None = None,
+    kernel_time: float = 0.0,
 ) -> dict[str, Any]:
     """Traces, profiles and plans one (model, cluster) cell on one clustering (``num_layers``
-    layers; None: the first automatic one); returns its results as plain data.
+    layers; None: the first automatic one); returns its results as plain data. ``kernel_time``:
+    the devices' seconds per kernel (:attr:`autopar.cluster.DeviceSpec.kernel_time`).
 
     ``costs="ilp"`` prices both sides with the sharding ILP (see ``benchmarks/_plan_ilp.py``)
     at the microbatch counts ``ilp_microbatches``. ``_plan_table.combine`` takes a cell's clusterings.
@@ -131,7 +140,7 @@ def plan_cell(
 
     t0 = time.perf_counter()
     step, state, batch, kind, batch_size = abstract_step(model, DTYPES[preset], batch_size)
-    spec = _cluster(preset, num_devices)
+    spec = _cluster(preset, num_devices, kernel_time)
     if costs == "ilp":
         candidates = _ilp_candidates(batch_size, ilp_microbatches)
         priced, bounds = {}, []
@@ -147,7 +156,12 @@ def plan_cell(
                 num_layers=num_layers,
             )
             # On the microbatch just traced: the bound only adds each layer's (trivial) 1x1 solve.
-            bounds.append(_plan_ilp.step_bound(traced, spec, num_microbatches=b, dtype=DTYPES[preset]))
+            # Every device of a stage runs its kernels for each microbatch: only stages share them.
+            stages = min(spec.num_devices, prof.num_layers)
+            launches = float(prof.kernels.sum()) * spec.device.kernel_time * b / stages
+            bounds.append(
+                _plan_ilp.step_bound(traced, spec, num_microbatches=b, dtype=DTYPES[preset]) + launches
+            )
             data_parallel = np.array(
                 [[s[1] == 1 for s in q] + [False] * (free.latency.shape[3] - len(q)) for q in free.logical]
             )

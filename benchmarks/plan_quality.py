@@ -131,8 +131,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JSON-lines file: each planned cell is appended to it, and cells already in it "
         "(same model, preset, devices and options) are read back instead of planned again",
     )
+    parser.add_argument(
+        "--kernel-time",
+        type=float,
+        default=0.0,
+        help="seconds per kernel given to the presets' devices (0, the default: the presets have none; "
+        "5.65e-6 was measured on an H200, benchmarks/results/calibrate_kernels_h200_gpu1_2026-11-27.json)",
+    )
     parser.add_argument("--out-dir", default=_common.RESULTS, help="directory of the results files")
     args = parser.parse_args(argv)
+    if not 0 <= args.kernel_time < 1:
+        parser.error(f"--kernel-time must be seconds in [0, 1), got {args.kernel_time}")
     if args.quick:
         args.families, args.devices, args.presets = ["gpt", "bert"], [8, 16], ["v100"]
     if args.smoke:
@@ -153,12 +162,14 @@ def main(argv: list[str] | None = None) -> None:
         else:
             pairs += [(SIZES[args.sizes][f][n], preset, n) for f in args.families for n in args.devices]
     start = time.perf_counter()
-    options = dict(
+    options: dict[str, Any] = dict(
         batch_size=args.batch_size,
         max_microbatches=args.max_microbatches,
         costs=args.costs,
         ilp_microbatches=tuple(args.ilp_microbatches),
     )
+    if args.kernel_time:  # only then: journals of runs without it keep their keys
+        options["kernel_time"] = args.kernel_time
     counts = {}  # one trace per model and dtype gives the clusterings of all its cells
     for m, p, _ in pairs:
         if (m, DTYPES[p]) not in counts:
@@ -229,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         else "sharding ILP per layer (benchmarks/_plan_ilp.py), microbatches "
         + ", ".join(map(str, args.ilp_microbatches)),
         "grids": "baselines.uniform_grid_plans: dp * tp * pp = N, pp <= layers, equal layers per stage",
+        "time per kernel": f"{args.kernel_time * 1e6:.2f} us (DeviceSpec.kernel_time)"
+        if args.kernel_time
+        else "none (the presets')",
         "command": " ".join(["python benchmarks/plan_quality.py", *(sys.argv[1:] if argv is None else argv)]),
     }
     full = not args.models and (args.families, args.devices, args.presets) == (
@@ -246,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.costs == "analytic" or args.ilp_microbatches == [64]
             else "_b" + "-".join(map(str, args.ilp_microbatches))
         )
+        + ("_kernels" if args.kernel_time else "")
         + mode
     )
     title = "Plan quality: autopar vs Megatron-style grids and data parallel"

@@ -73,6 +73,24 @@ def test_plan_quality_smoke_writes_results_and_ends_with_the_ratio(tmp_path, cos
     assert len(journal.read_text().splitlines()) == 1
 
 
+def test_plan_quality_prices_kernels_when_given_a_time_per_kernel(tmp_path):
+    _run("plan_quality.py", "--smoke", "--out-dir", str(tmp_path / "none"))
+    _run("plan_quality.py", "--smoke", "--kernel-time", "1e-5", "--out-dir", str(tmp_path / "timed"))
+    [plain], [timed] = (
+        [p for p in os.listdir(tmp_path / d) if p.endswith(".json")] for d in ("none", "timed")
+    )
+    assert timed.startswith("plan_quality_kernels_smoke_") and plain.startswith("plan_quality_smoke_")
+    (before,), (after,) = (
+        json.loads((tmp_path / d / f).read_text())["cells"] for d, f in (("none", plain), ("timed", timed))
+    )
+    # Every plan and the bound cost more, and the bound stays below every plan.
+    assert after["autopar"]["seconds"] > before["autopar"]["seconds"] and after["bound"] > before["bound"]
+    seconds = [after["autopar"]["seconds"], *(g["seconds"] for g in after["grids"].values() if g)]
+    assert 0 < after["bound"] <= min(seconds)
+    assert "10.00 us" in (tmp_path / "timed" / timed.replace(".json", ".md")).read_text()
+    assert "--kernel-time must be seconds" in _error("plan_quality.py", "--smoke", "--kernel-time", "-1")
+
+
 def test_plan_gap_factors_multiply_to_the_step_over_the_bound():
     import types
 
