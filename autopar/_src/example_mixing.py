@@ -15,6 +15,7 @@ step traced at one microbatch and at the whole batch tell the per-example dims a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence, Set
 from typing import Any
 
@@ -202,11 +203,14 @@ class _Static:
     step: TracedStep | None = None
     """Gives the constants' values (the code before the region); None: the region's."""
 
+    @functools.cached_property
+    def _producer(self) -> dict[int, Any]:
+        return {id(w): e for e in self.eqns for w in e.outvars}
+
     def value(self, v: Any) -> np.ndarray | None:
         """``v``'s value, or None where it reads an input (or is too large to evaluate)."""
-        producer = {id(w): e for e in self.eqns for w in e.outvars}
         known: dict[Any, Any] = dict(self.step.const_bindings) if self.step is not None else {}
-        return self._value(v, producer, known, depth=0)
+        return self._value(v, self._producer, known, depth=0)
 
     def _value(self, v: Any, producer: dict[int, Any], known: dict[Any, Any], depth: int) -> Any:
         if compat.is_literal(v):

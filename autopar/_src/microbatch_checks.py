@@ -200,7 +200,7 @@ def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
     found: set[int] = set()
     for e in reversed(eqns[:at]):  # readers first: a fill may feed another
         if (
-            _FILLING.get(e.primitive.name, e.primitive.name in ELEMENTWISE_PRIMITIVES)
+            (e.primitive.name in _FILLING or e.primitive.name in ELEMENTWISE_PRIMITIVES)
             and len(e.outvars) == 1
             and e.outvars[0] not in returned
             and all(r in per_microbatch or r in found for r in readers.get(e.outvars[0], []))
@@ -209,7 +209,7 @@ def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
     return found
 
 
-_FILLING = {"broadcast_in_dim": True, "tile": True}
+_FILLING = frozenset({"broadcast_in_dim", "tile"})
 """Primitives besides the elementwise ones that may make a fill."""
 
 
