@@ -398,8 +398,22 @@ def test_whole_batch_code_that_changes_with_the_batch_size_is_an_error_with_micr
         # mixup's partner by a random permutation of the batch, and a mirror by gathered positions
         lambda x: 0.7 * x + 0.3 * x[jax.random.permutation(jax.random.key(0), x.shape[0])],
         lambda x: x + 0.1 * x[jnp.arange(x.shape[0])[::-1]],
+        # inside a loop's or a cond's body
+        lambda x: jax.lax.scan(lambda c, _: (c + 0.1 * c[::-1], None), x, None, length=2)[0],
+        lambda x: jax.lax.cond(x.sum() > -1e9, lambda c: c + 0.1 * jnp.roll(c, 1, 0), lambda c: c, x),
     ],
-    ids=["roll", "rev", "cumsum", "sort", "scatter", "update-slice", "permutation", "gathered-rev"],
+    ids=[
+        "roll",
+        "rev",
+        "cumsum",
+        "sort",
+        "scatter",
+        "update-slice",
+        "permutation",
+        "gathered-rev",
+        "rev-in-scan",
+        "roll-in-cond",
+    ],
 )
 def test_code_before_the_gradient_that_combines_examples_is_an_error_with_microbatches(mix):
     """Run per microbatch, it would see one microbatch's examples: not jax.jit's result."""
@@ -430,8 +444,22 @@ def _above_the_median(losses):
         (lambda x: x, lambda losses: jnp.sort(losses)[-4:].mean()),
         (lambda x: x, _above_the_median),
         (lambda x: 0.7 * x + 0.3 * x[jax.random.permutation(jax.random.key(0), x.shape[0])], jnp.mean),
+        # inside a loop's or a cond's body
+        (lambda x: jax.lax.scan(lambda c, _: (c + 0.1 * c[::-1], None), x, None, length=2)[0], jnp.mean),
+        (lambda x: jax.lax.fori_loop(0, 2, lambda i, c: 0.7 * c + 0.3 * jnp.roll(c, 1, 0), x), jnp.mean),
+        (lambda x: jax.lax.cond(x.sum() > -1e9, lambda c: c + 0.1 * c[::-1], lambda c: c, x), jnp.mean),
     ],
-    ids=["roll", "flip", "top_k", "sorted", "median", "permutation"],
+    ids=[
+        "roll",
+        "flip",
+        "top_k",
+        "sorted",
+        "median",
+        "permutation",
+        "flip-in-scan",
+        "roll-in-loop",
+        "flip-in-cond",
+    ],
 )
 def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatches(inputs, reduce):
     """Each microbatch would take among its own examples: neither the loss nor the gradient would

@@ -72,8 +72,9 @@ def require_examples_apart(
         tainted.update(v for v in e.outvars if not compat.is_dropvar(v))
         found = _mixing(e, other, nmb, indices) if k in feeding else None
         if found is not None:
+            where = compat.source_line(found, compat.source_line(e))  # in a loop's body: the loop's
             raise ValueError(
-                f"The step's code before the gradient combines examples (at {compat.source_line(found)}: "
+                f"The step's code before the gradient combines examples (at {where}: "
                 f"{str(found).splitlines()[0]!r}): with num_microbatches={nmb} it runs per microbatch "
                 "and would see only that microbatch's examples, so what it makes (another example's "
                 "values as mixup's partner, a statistic of more than the batch alone) would not be "
@@ -104,12 +105,7 @@ def require_examples_apart_in_loss(
         q.primitive is not r.primitive for q, r in zip(mine, theirs, strict=True)
     ):
         return  # code that changes with the batch size: equation by equation says nothing
-    needed = {v for v in rj.outvars if not compat.is_literal(v)} - set(statistics)
-    used = set()
-    for e in reversed(rj.eqns):
-        if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
-            used.add(id(e))
-            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in statistics)
+    used = feeding_outputs(rj, statistics)
     # Values made from the microbatch's examples (not from positions, keys or constants alone).
     data = {v for v, w in zip(rj.invars, rw.invars, strict=True) if per_example_dims(v, w, nmb)}
     for e in rj.eqns:
@@ -119,9 +115,10 @@ def require_examples_apart_in_loss(
     for e, other in zip(mine, theirs, strict=True):
         found = _mixing(e, other, nmb, within=True, indices=indices) if id(e) in used else None
         if found is not None:
+            where = compat.source_line(found, compat.source_line(e))  # in a loop's body: the loop's
             raise ValueError(
                 f"The loss function takes examples by their place in the batch (at "
-                f"{compat.source_line(found)}: {str(found).splitlines()[0]!r}): with "
+                f"{where}: {str(found).splitlines()[0]!r}): with "
                 f"num_microbatches={nmb} it runs per microbatch and picks among that microbatch's "
                 "examples alone, so what it makes (another example's values as mixup's partner, the "
                 "hardest examples by top_k or a sort, a median) would not be the whole batch's. Do it "
@@ -129,20 +126,48 @@ def require_examples_apart_in_loss(
             )
 
 
-def _mixing(e: Any, other: Any, nmb: int, indices: _Indices | None = None, within: bool = False) -> Any:
+def feeding_outputs(jaxpr: Any, statistics: Set[Any] = frozenset()) -> set[int]:
+    """The ids of the equations of ``jaxpr`` that its outputs are made from, but for what only
+    makes ``statistics``."""
+    needed = {v for v in jaxpr.outvars if not compat.is_literal(v)} - set(statistics)
+    used = set()
+    for e in reversed(jaxpr.eqns):
+        if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
+            used.add(id(e))
+            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in statistics)
+    return used
+
+
+def _mixing(
+    e: Any,
+    other: Any,
+    nmb: int,
+    indices: _Indices | None = None,
+    within: bool = False,
+    looped: bool = False,
+) -> Any:
     """``e`` or the equation inside its body that combines examples (``other``: its twin at the
     whole batch), or None. ``within`` the loss function, reductions over the examples, pairs of
     them and sorts are left to other checks. ``indices`` tells a gather's or scatter's
     per-example indices that pick each example's own rows from those that pick by place (None,
-    inside a body: all are taken as each example's own)."""
+    inside a body: all are taken as each example's own). Inside a loop or a ``cond``
+    (``looped``), what picks by an index is not checked: a loop over the batch's rows picks its
+    row by the loop's counter."""
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
-        if len(body.eqns) != len(twin.eqns):
-            return None
-        pairs = zip(body.eqns, twin.eqns, strict=True)
-        return next(
-            (found for q, r in pairs if (found := _mixing(q, r, nmb, within=within)) is not None), None
+        return _in_body(body, twin, nmb, within, looped)
+    inner, theirs = compat.bodies(e), compat.bodies(other)
+    if len(inner) == len(theirs):  # a loop's or a cond's: reversed, sorted, sliced along the batch
+        found = next(
+            (
+                f
+                for b, t in zip(inner, theirs, strict=True)
+                if (f := _in_body(b, t, nmb, within, True)) is not None
+            ),
+            None,
         )
+        if found is not None:
+            return found
     # Per operand, in order (a literal has none).
     ins = [
         set() if compat.is_literal(a) else per_example_dims(a, b, nmb)
@@ -171,6 +196,8 @@ def _mixing(e: Any, other: Any, nmb: int, indices: _Indices | None = None, withi
             (p["start_indices"][d], p["limit_indices"][d], strides[d]) == (0, full[d], 1) for d in operand
         )
         return None if kept else e
+    if looped and (name in ("dynamic_slice", "gather", "dynamic_update_slice") or name.startswith("scatter")):
+        return None
     if name in ("dynamic_slice", "gather", "pad"):
         full = _shape(e.invars[0])
         if name == "pad":
@@ -193,6 +220,18 @@ def _mixing(e: Any, other: Any, nmb: int, indices: _Indices | None = None, withi
         aligned = _own_indices(e, other, ins, operand, nmb, indices)  # each example's own rows
         return e if operand & picked and not aligned else None
     return None
+
+
+def _in_body(body: Any, twin: Any, nmb: int, within: bool, looped: bool) -> Any:
+    """The equation of ``body`` (``twin``: the same at the whole batch) that combines examples."""
+    if len(body.eqns) != len(twin.eqns) or any(
+        q.primitive is not r.primitive for q, r in zip(body.eqns, twin.eqns, strict=True)
+    ):
+        return None
+    pairs = zip(body.eqns, twin.eqns, strict=True)
+    return next(
+        (f for q, r in pairs if (f := _mixing(q, r, nmb, within=within, looped=looped)) is not None), None
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from autopar._src import batch_statistics, compat, example_mixing, region_outputs, trace, whole_batch
+from autopar._src import (
+    batch_statistics,
+    compat,
+    example_mixing,
+    example_order,
+    region_outputs,
+    trace,
+    whole_batch,
+)
 from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
 
 
@@ -74,6 +82,7 @@ def per_example_outputs(
     figures = batch_statistics.unread(step, stats)
     example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches, figures)
     example_mixing.require_examples_apart_in_loss(step, whole, num_microbatches, set(stats.values))
+    example_order.require_batch_order_in_loss(step, whole, num_microbatches, set(stats.values))
     averaged = [i for i in range(1 + num_aux) if i not in dims]
     batch_statistics.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures)

@@ -1,0 +1,325 @@
+"""Examples sorted inside the loss function, refused with microbatches where the order matters.
+
+A sort along the batch inside the loss function puts each microbatch's examples in the order of
+that microbatch alone: the first row is the microbatch's smallest, not the whole batch's. What is
+made from the sorted rows is still each example's own while it stays among rows sorted the same
+way and goes back to the batch's order before it meets anything else: a dropless mixture of
+experts sorts its tokens by expert, runs each expert on its run of rows and scatters them back
+(``zeros.at[order].set(y)``, or gathers them by the inverse permutation); a mean of the sorted
+losses is the mean of the losses. Rows in a sort's order that meet rows in the batch's order
+(``z[jnp.argsort(s)]`` against the labels), or positions (a weight per rank,
+``jnp.sort(losses) * jnp.linspace(...)``), or that the loss function returns per example, would
+give each microbatch another result than ``jax.jit``'s whole batch: refused, naming the sort.
+
+Each value with a dim per example (``num_microbatches`` times longer in the step traced at the
+whole batch) gets an *order*: the batch's, a sort's (the sort equation), or none (a fill, made
+from no example: it suits any order). Integer values made from a sort's index operand (an
+``iota``: ``jnp.argsort``) are *permutations*: gathering rows in one order by them gives rows in
+another, scattering rows by them goes back. ``iota`` itself numbers the rows of whatever order
+it is used in while it only names them (shifted, compared for equality with other row numbers,
+the ids of ``jax``'s derivative of a scatter); used as a number (weights, thresholds) it is a
+position in the batch's order. Sorts, slices and gathers by position that pick a few examples
+are refused by :mod:`~autopar._src.example_mixing` whatever the order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence, Set
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopar._src import compat, example_mixing, fusion, layers
+from autopar._src.example_mixing import per_example_dims
+from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
+from autopar._src.trace import TracedStep
+
+BATCH = "batch"
+"""The batch's order."""
+ANY = "any"
+"""No order: a fill, made from no example."""
+ROWS = "rows"
+"""An ``iota`` along the examples: the row numbers of whatever order it meets."""
+
+_NAMING = frozenset(
+    {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "add", "sub", "eq", "ne", "copy", "copy_p"}
+)
+"""Primitives that keep ``iota``'s row numbers names of the rows (``jax``'s scatter ids, shifted
+by one and compared for equality), integer conversions besides."""
+
+
+_KEEPING = ELEMENTWISE_PRIMITIVES | fusion.LAYOUT_PRIMITIVES | {"broadcast_in_dim"}
+"""Primitives that keep a fill a fill (the same along the batch) and a permutation's positions
+each row's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Perm:
+    """Positions: gathering rows in order ``src`` by them gives rows in order ``dst``."""
+
+    src: Any
+    dst: Any
+
+
+class _Walk:
+    def __init__(self, nmb: int) -> None:
+        self.nmb = nmb
+        self.order: dict[Any, Any] = {}
+        self.perm: dict[Any, _Perm] = {}
+        self.sorts: dict[int, tuple[Any, str]] = {}  # id(sort equation) -> it and its line
+        self.outer = "a line JAX did not record"
+        """The line of the innermost loop or call being walked, for equations without their own."""
+
+    def of(self, v: Any) -> Any:
+        return None if compat.is_literal(v) else self.order.get(v)
+
+    def run(self, eqns: Sequence[Any], twins: Sequence[Any], used: set[int] | None) -> None:
+        for e, other in zip(eqns, twins, strict=True):
+            outer, self.outer = self.outer, self.line(e)
+            self.eqn(e, other, used is None or id(e) in used)
+            self.outer = outer
+
+    def line(self, e: Any) -> str:
+        return compat.source_line(e, self.outer)
+
+    def eqn(self, e: Any, other: Any, checked: bool) -> None:
+        if layers.is_boundary(e):  # an identity per value
+            self._enter(e.outvars, e.invars)
+            return
+        body, twin = compat.operand_body(e), compat.operand_body(other)
+        if body is not None and twin is not None and len(body.eqns) == len(twin.eqns):
+            self._enter(body.invars, e.invars)
+            self.run(body.eqns, twin.eqns, None if checked else set())
+            self._enter(e.outvars, body.outvars)
+            return
+        if self._control(e, other, checked):
+            return
+        ins = [
+            not compat.is_literal(a) and bool(per_example_dims(a, b, self.nmb))
+            for a, b in zip(e.invars, other.invars, strict=True)
+        ]
+        outs = [bool(per_example_dims(v, w, self.nmb)) for v, w in zip(e.outvars, other.outvars, strict=True)]
+        name = e.primitive.name
+        if name == "iota":
+            if outs[0] and e.params["dimension"] in per_example_dims(
+                e.outvars[0], other.outvars[0], self.nmb
+            ):
+                self._set(e.outvars[0], ROWS, None)
+            elif outs[0]:
+                self._set(e.outvars[0], ANY, None)
+            return
+        if (
+            name == "sort"
+            and ins
+            and ins[0]
+            and e.params["dimension"] in per_example_dims(e.invars[0], other.invars[0], self.nmb)
+        ):
+            self._sort(e, checked)
+            return
+        if name == "gather" and self._gather(e, other, checked):
+            return
+        if name.startswith("scatter") and self._scatter(e, other, checked):
+            return
+        found = self._common(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked)
+        if found == ANY and name not in _KEEPING:
+            found = BATCH  # made from no example, but maybe not the same along the batch: positions
+        naming = name in _NAMING or (name == "convert_element_type" and _integer(e.outvars[0]))
+        order = ROWS if found == ROWS and naming else (BATCH if found == ROWS else found)
+        perm = self._kept_perm(e, ins)
+        for v, per in zip(e.outvars, outs, strict=True):
+            if per:
+                self._set(v, order, perm if _integer(v) else None)
+
+    def _control(self, e: Any, other: Any, checked: bool) -> bool:
+        """Walks a ``scan``'s, ``while``'s or ``cond``'s bodies with their operands' orders (a
+        loop's carries again until their orders settle); False for another equation."""
+        used: set[int] | None = None if checked else set()
+        loop, twin = compat.scan_loop(e), compat.scan_loop(other)
+        if loop is not None and twin is not None:
+            self._loop(loop.body, twin.body, e.invars, loop.num_consts, loop.num_carry, e.outvars, used)
+            return True
+        found, found_twin = compat.while_body(e), compat.while_body(other)
+        if found is not None and found_twin is not None:
+            (body, skip), carries = found, len(e.outvars)
+            self._loop(
+                body, found_twin[0], e.invars[skip:], len(body.invars) - carries, carries, e.outvars, used
+            )
+            return True
+        branches, twins = compat.cond_branches(e), compat.cond_branches(other)
+        if branches is None or twins is None or any(c for _, c in branches + twins):
+            return False
+        outs: list[set[Any]] = [set() for _ in e.outvars]
+        for (body, _), (twin_body, _) in zip(branches, twins, strict=True):
+            self._enter(body.invars, e.invars[1:])
+            self.run(body.eqns, twin_body.eqns, used)
+            for k, b in enumerate(body.outvars):
+                outs[k].add(self.of(b))
+        for v, b, orders in zip(e.outvars, branches[0][0].outvars, outs, strict=True):
+            orders -= {None, ANY, ROWS}
+            if len(orders) > 1 and checked:
+                self._refuse(e, orders)
+            self._set(v, orders.pop() if orders else self.of(b), None)
+        return True
+
+    def _loop(
+        self,
+        body: Any,
+        twin: Any,
+        operands: Sequence[Any],
+        num_consts: int,
+        num_carry: int,
+        outvars: Sequence[Any],
+        used: set[int] | None,
+    ) -> None:
+        carried = slice(num_consts, num_consts + num_carry)
+        ins = list(operands)
+        for _ in range(4):  # a sort's order is the sort equation's: settled by the second pass
+            self._enter(body.invars, ins)
+            self.run(body.eqns, twin.eqns, used)
+            if all(
+                self.of(a) == self.of(b) and self._perm_of(a) == self._perm_of(b)
+                for a, b in zip(body.invars[carried], body.outvars[:num_carry], strict=True)
+            ):
+                break
+            ins[carried] = body.outvars[:num_carry]
+        self._enter(outvars, body.outvars)
+
+    def _enter(self, into: Sequence[Any], values: Sequence[Any]) -> None:
+        """Gives each variable of ``into`` the order and permutation of its value in ``values``."""
+        for v, a in zip(into, values, strict=True):
+            self._set(v, self.of(a), self._perm_of(a))
+
+    def _perm_of(self, a: Any) -> _Perm | None:
+        return None if compat.is_literal(a) else self.perm.get(a)
+
+    def _set(self, v: Any, order: Any, perm: _Perm | None) -> None:
+        if compat.is_dropvar(v):
+            return
+        if order is not None:
+            self.order[v] = order
+        if perm is not None:
+            self.perm[v] = perm
+
+    def _common(self, e: Any, operands: Iterable[Any], checked: bool) -> Any:
+        """The one order of ``operands`` (ANY for none, ROWS for row numbers alone); raises where
+        two differ."""
+        orders = {self.of(a) for a in operands} - {None, ANY}
+        if not orders:
+            return ANY
+        if orders == {ROWS}:
+            return ROWS
+        orders.discard(ROWS)
+        if len(orders) > 1 and checked:
+            self._refuse(e, orders)
+        return orders.pop()
+
+    def _kept_perm(self, e: Any, ins: list[bool]) -> _Perm | None:
+        """The permutation an elementwise or layout equation on it keeps: ``jnp``'s wrapping of
+        negative indices, ``[:, None]``, ``// k`` for the ``k`` copies of a token routed to ``k``
+        experts. Its other per-example integer operands must be that permutation too."""
+        if e.primitive.name not in _KEEPING:
+            return None
+        perms = {self.perm.get(a) for a, per in zip(e.invars, ins, strict=True) if per and _integer(a)}
+        return perms.pop() if len(perms) == 1 else None
+
+    def _sort(self, e: Any, checked: bool) -> None:
+        keys = e.invars[: e.params.get("num_keys", 1)]
+        key_perm = self._perm_of(keys[0]) if len(keys) == 1 else None
+        if key_perm is not None and self.of(keys[0]) == key_perm.dst:
+            # Sorting a permutation's positions: the rows go back to the order they name.
+            src, dst = key_perm.dst, key_perm.src
+        else:
+            src = self._common(e, [a for a in e.invars if self.of(a) != ROWS], checked)
+            src = BATCH if src in (ANY, ROWS) else src
+            dst = id(e)
+            self.sorts[dst] = (e, self.line(e))
+        for a, v in zip(e.invars, e.outvars, strict=True):
+            self._set(v, dst, _Perm(src, dst) if self.of(a) == ROWS else None)
+
+    def _gather(self, e: Any, other: Any, checked: bool) -> bool:
+        """A gather of the rows of one order by a permutation of them."""
+        operand, idx = e.invars[0], e.invars[1]
+        perm = self._perm_of(idx)
+        numbers = e.params["dimension_numbers"]
+        along = per_example_dims(operand, other.invars[0], self.nmb) & set(numbers.start_index_map)
+        if perm is None or not along:
+            return False
+        if self.of(operand) not in (perm.src, ANY, None) and checked:
+            self._refuse(e, {self.of(operand), perm.src})
+        self._set(e.outvars[0], perm.dst, None)
+        return True
+
+    def _scatter(self, e: Any, other: Any, checked: bool) -> bool:
+        """Rows in a permutation's order written back to the order it gathers from."""
+        operand, idx, updates = e.invars[0], e.invars[1], e.invars[2]
+        perm = self._perm_of(idx)
+        numbers = e.params["dimension_numbers"]
+        along = per_example_dims(operand, other.invars[0], self.nmb) & set(
+            numbers.scatter_dims_to_operand_dims
+        )
+        if perm is None or not along:
+            return False
+        if checked:
+            for a, want in ((operand, perm.src), (updates, perm.dst)):
+                if self.of(a) not in (want, ANY, ROWS, None):
+                    self._refuse(e, {self.of(a), want})
+        self._set(e.outvars[0], perm.src, None)
+        return True
+
+    def _refuse(self, e: Any, orders: set[Any]) -> None:
+        sort, where = next(self.sorts[o] for o in sorted(orders - {BATCH, ANY, ROWS}, key=str))
+        raise ValueError(
+            f"The loss function sorts the examples (at {where}: "
+            f"{str(sort).splitlines()[0]!r}) and then combines them, in that order, with what is "
+            f"in another (at {self.line(e)}: {str(e).splitlines()[0]!r}: the batch's order, "
+            "positions such as a weight per rank, or another sort's). With microbatches each "
+            "sorts only its own examples, so neither the loss nor its gradients would be the whole "
+            "batch's. Put the rows back in the batch's order first (scatter them back, "
+            "`zeros.at[order].set(y)`, or gather by the inverse permutation), or use "
+            "num_microbatches=1."
+        )
+
+    def refuse_outputs(self, outvars: Sequence[Any], twins: Sequence[Any]) -> None:
+        for i, (v, w) in enumerate(zip(outvars, twins, strict=True)):
+            order = self.of(v)
+            if order in self.sorts and per_example_dims(v, w, self.nmb):
+                sort, where = self.sorts[order]
+                raise ValueError(
+                    f"Aux output {i - 1} of the loss function holds a value per example in the order of a "
+                    f"sort (at {where}: {str(sort).splitlines()[0]!r}): with "
+                    "microbatches each sorts only its own examples, so the concatenated rows "
+                    "would not be the whole batch's. Return them in the batch's order or use "
+                    "num_microbatches=1."
+                )
+
+
+def _integer(v: Any) -> bool:
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, np.integer)
+
+
+def require_batch_order_in_loss(
+    step: TracedStep, whole: TracedStep, nmb: int, statistics: Set[Any] = frozenset()
+) -> None:
+    """Raises if the grad region of ``step`` (traced at one of ``nmb`` microbatches; ``whole``: at
+    the whole batch, with the same cuts) combines examples sorted along the batch with others in
+    another order, or returns them per example (see the module's docstring). Equations that
+    only make ``statistics`` (made from the whole batch) are not checked.
+
+    Raises:
+      ValueError: naming the sort and the equation, with their source lines.
+    """
+    rj = step.jaxpr.eqns[step.region_index()].params["info"].jaxpr
+    rw = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
+    if len(rj.eqns) != len(rw.eqns) or any(
+        q.primitive is not r.primitive for q, r in zip(rj.eqns, rw.eqns, strict=True)
+    ):
+        return  # code that changes with the batch size: equation by equation says nothing
+    walk = _Walk(nmb)
+    for v, w in zip(rj.invars, rw.invars, strict=True):
+        if per_example_dims(v, w, nmb):
+            walk.order[v] = BATCH
+    walk.run(rj.eqns, rw.eqns, example_mixing.feeding_outputs(rj, statistics))
+    walk.refuse_outputs(rj.outvars, rw.outvars)

@@ -1,0 +1,161 @@
+"""Examples sorted along the batch inside the loss function, with microbatches: equal to jax.jit
+where the rows go back to the batch's order (a dropless mixture of experts' sort and scatter),
+an error naming the sort where the sorted rows meet others (the labels, a weight per rank) or
+are returned per example."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from equality import TOLERANCES, assert_same_as_jit
+
+import autopar
+from models import train
+
+BATCH = 16
+
+
+def _setup():
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    return state, [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
+
+
+def _step(on_logits=lambda z: z, on_losses=jnp.mean, aux=None):
+    """An MLP step: ``on_losses(per-example losses of on_logits(logits))``, with ``aux(logits)``
+    returned as aux when given."""
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = on_logits(state.apply_fn({"params": p}, batch["x"]))
+            loss = on_losses(optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]))
+            return (loss, aux(logits)) if aux is not None else loss
+
+        if aux is None:
+            loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        else:
+            (loss, _), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+def _scattered_back(z):
+    order = jnp.argsort(z[:, 0])
+    return jnp.zeros_like(z).at[order].set(2.0 * jnp.tanh(z[order]))
+
+
+def _gathered_back(z):
+    order = jnp.argsort(z[:, 0])
+    return (2.0 * jnp.tanh(z[order]))[jnp.argsort(order)]
+
+
+_EXPERTS = jax.random.normal(jax.random.key(0), (4, 10, 10)) * 0.3
+_ROUTER = jax.random.normal(jax.random.key(1), (10, 4))
+
+
+def _top2_dropless(z):
+    """Each row sent to its two best of four experts as a dropless mixture in MaxText's style:
+    the rows' copies sorted by expert, taken by ``order // 2``, put back by the inverse
+    permutation and summed with their gates."""
+    gates, experts = jax.lax.top_k(jax.nn.softmax(z @ _ROUTER), 2)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat)
+    rows = jnp.take(z, order // 2, axis=0)
+    out = jnp.einsum("nd,nde->ne", rows, _EXPERTS[flat[order]])
+    back = jnp.take(out, jnp.argsort(order), axis=0).reshape(z.shape[0], 2, z.shape[1])
+    return (back * gates[..., None]).sum(1)
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        _step(on_logits=_top2_dropless),
+        _step(on_logits=_scattered_back),
+        _step(on_logits=_gathered_back),
+        _step(on_logits=jax.jit(_scattered_back)),
+        # a layer stack: each layer sorts, computes and scatters back (a sort's order is settled
+        # over the loop's carries)
+        _step(
+            on_logits=lambda z: jax.lax.scan(lambda c, _: (_scattered_back(c), None), z, None, length=2)[0]
+        ),
+        _step(on_losses=lambda losses: jnp.sort(losses).mean()),  # a mean in any order
+    ],
+    ids=[
+        "top2-dropless",
+        "scattered-back",
+        "gathered-by-the-inverse",
+        "scattered-back-in-jit",
+        "scattered-back-in-scan",
+        "sorted-mean",
+    ],
+)
+def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatches(step):
+    state, batches = _setup()
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
+
+
+@pytest.mark.parametrize(
+    "step,meets",
+    [
+        # Rows sorted by a score, then read against the labels in the batch's order.
+        (_step(on_logits=lambda z: z[jnp.argsort(z[:, 0])]), "mul|add|sub|gather|select_n|eq"),
+        (_step(on_logits=lambda z: jnp.sort(z, axis=0)), "mul|add|sub|gather|select_n|eq"),
+        (_step(on_logits=jax.jit(lambda z: z[jnp.argsort(z[:, 0])])), "mul|add|sub|gather|select_n|eq"),
+        (
+            _step(
+                on_logits=lambda z: jax.lax.scan(
+                    lambda c, _: (c[jnp.argsort(c[:, 0])], None), z, None, length=2
+                )[0]
+            ),
+            "mul|add|sub|gather|select_n|eq",
+        ),
+        (
+            _step(
+                on_logits=lambda z: jax.lax.cond(
+                    z.sum() > -1e9, lambda c: jnp.sort(c, axis=0), lambda c: c, z
+                )
+            ),
+            "cond",
+        ),
+        # A weight per rank: the microbatch's ranks are not the batch's.
+        (
+            _step(
+                on_losses=lambda losses: (jnp.sort(losses) * jnp.linspace(0.5, 1.5, losses.shape[0])).mean()
+            ),
+            "mul",
+        ),
+        # Rows put back by another sort's permutation.
+        (
+            _step(
+                on_logits=lambda z: jnp.zeros_like(z).at[jnp.argsort(z[:, 1])].set(z[jnp.argsort(z[:, 0])])
+            ),
+            "scatter",
+        ),
+    ],
+    ids=[
+        "argsort-gather",
+        "sort",
+        "argsort-gather-in-jit",
+        "argsort-gather-in-scan",
+        "sort-in-one-branch",
+        "weight-per-rank",
+        "another-sorts-order",
+    ],
+)
+def test_sorted_rows_meeting_another_order_are_an_error_with_microbatches(step, meets):
+    state, batches = _setup()
+    with pytest.raises(
+        ValueError,
+        match=rf"sorts the examples \(at .*test_example_order.*sort\[.*combines them.*({meets}).*num_microbatches=1",
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
+def test_sorted_rows_returned_per_example_are_an_error_with_microbatches():
+    state, batches = _setup()
+    step = _step(aux=lambda z: jnp.sort(z, axis=0))
+    with pytest.raises(ValueError, match=r"Aux output 0 .* in the order of a sort \(at .*test_example_order"):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
