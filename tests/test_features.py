@@ -727,3 +727,64 @@ def test_calls_inside_transformations_or_with_shapes_only_are_errors():
     ):
         par(shapes, batch)
     assert par.plan(shapes, batch) is par.plan(state, batch)  # planning from shapes is fine
+
+
+def _with_partners(batch, seed=0):
+    """``batch`` with each example's partner: a row of the whole batch, as a data pipeline
+    numbers it."""
+    rng = np.random.default_rng(seed)
+    return {**batch, "partner": rng.permutation(len(batch["y"])).astype(np.int32)}
+
+
+@pytest.mark.parametrize(
+    "before,inside",
+    [
+        (None, lambda z, partner: 0.5 * (z + z[partner])),
+        (None, lambda z, partner: 0.5 * (z + jnp.take(z, partner, axis=0))),  # in jnp's jit
+        (lambda x, partner: 0.5 * (x + x[partner]), None),  # before the gradient
+    ],
+    ids=["in-loss", "take-in-loss", "before-the-gradient"],
+)
+def test_rows_picked_by_indices_read_from_the_batch_are_an_error_with_microbatches(before, inside):
+    """The batch's own integers number the whole batch's rows: a microbatch holds others."""
+    _, state, batch = _mlp_step()
+    batch = _with_partners(batch)
+
+    def step(state, batch):
+        x = batch["x"] if before is None else before(batch["x"], batch["partner"])
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, x)
+            logits = logits if inside is None else inside(logits, batch["partner"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    with pytest.raises(
+        ValueError, match=r"(takes examples by their place|combines examples) .*read from the batch"
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(state, batch)
+    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
+def test_positions_read_from_the_batch_offset_by_each_examples_row_equal_jit_with_microbatches():
+    """Positions within each example (a masked LM's), made rows of the flattened batch by adding
+    the example's row from an ``iota``: each microbatch's own."""
+    _, state, batch = _mlp_step()
+    rng = np.random.default_rng(0)
+    batches = [{**batch, "pos": rng.integers(0, 10, (len(batch["y"]), 3)).astype(np.int32)} for _ in range(2)]
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["x"])
+            n, k = logits.shape
+            rows = (batch["pos"] + jnp.arange(n)[:, None] * k).reshape(-1)
+            picked = logits.reshape(-1)[rows].reshape(n, -1)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return ce + 0.1 * jnp.mean(picked**2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=2)

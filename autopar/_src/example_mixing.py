@@ -19,9 +19,11 @@ import functools
 from collections.abc import Sequence, Set
 from typing import Any
 
+import jax
 import numpy as np
 
-from autopar._src import compat, layers
+from autopar._src import compat, fusion, layers
+from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
 from autopar._src.trace import TracedStep
 
 _STATIC_ELEMENTS = 1 << 20
@@ -65,7 +67,8 @@ def require_examples_apart(
             feeding.add(k)
             needed.update(a for a in mine[k].invars if not compat.is_literal(a) and a not in whole_figures)
     tainted = {step.arg_vars[i] for i in batch_ids}
-    indices = _Indices(tainted, _Static(mine, step), _Static(theirs, whole))  # tainted as it grows
+    positions = _read_from_the_batch(mine, {v for v in tainted if _whole_number(v)})
+    indices = _Indices(tainted, _Static(mine, step), _Static(theirs, whole), positions)  # tainted grows
     for k, (e, other) in enumerate(zip(mine, theirs, strict=True)):
         if not any(not compat.is_literal(a) and a in tainted for a in e.invars):
             continue
@@ -77,8 +80,9 @@ def require_examples_apart(
                 f"The step's code before the gradient combines examples (at {where}: "
                 f"{str(found).splitlines()[0]!r}): with num_microbatches={nmb} it runs per microbatch "
                 "and would see only that microbatch's examples, so what it makes (another example's "
-                "values as mixup's partner, a statistic of more than the batch alone) would not be "
-                "the whole batch's. Do it in the data pipeline, or use num_microbatches=1."
+                "values as mixup's partner, a statistic of more than the batch alone, rows picked by "
+                "indices read from the batch, which number the whole batch's rows) would not be the "
+                "whole batch's. Do it in the data pipeline, or use num_microbatches=1."
             )
 
 
@@ -111,7 +115,8 @@ def require_examples_apart_in_loss(
     for e in rj.eqns:
         if any(not compat.is_literal(a) and a in data for a in e.invars):
             data.update(v for v in e.outvars if not compat.is_dropvar(v))
-    indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns))
+    positions = _read_from_the_batch(rj.eqns, {v for v in data & set(rj.invars) if _whole_number(v)})
+    indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns), positions)
     for e, other in zip(mine, theirs, strict=True):
         found = _mixing(e, other, nmb, within=True, indices=indices) if id(e) in used else None
         if found is not None:
@@ -121,8 +126,9 @@ def require_examples_apart_in_loss(
                 f"{where}: {str(found).splitlines()[0]!r}): with "
                 f"num_microbatches={nmb} it runs per microbatch and picks among that microbatch's "
                 "examples alone, so what it makes (another example's values as mixup's partner, the "
-                "hardest examples by top_k or a sort, a median) would not be the whole batch's. Do it "
-                "in the data pipeline, pick per example, or use num_microbatches=1."
+                "hardest examples by top_k or a sort, a median, rows picked by indices read from the "
+                "batch, which number the whole batch's rows) would not be the whole batch's. Do it in "
+                "the data pipeline, pick per example, or use num_microbatches=1."
             )
 
 
@@ -155,7 +161,8 @@ def _mixing(
     row by the loop's counter."""
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
-        return _in_body(body, twin, nmb, within, looped)
+        inside = None if indices is None else indices.into(e, body)
+        return _in_body(body, twin, nmb, within, looped, inside)
     inner, theirs = compat.bodies(e), compat.bodies(other)
     if len(inner) == len(theirs):  # a loop's or a cond's: reversed, sorted, sliced along the batch
         found = next(
@@ -222,7 +229,9 @@ def _mixing(
     return None
 
 
-def _in_body(body: Any, twin: Any, nmb: int, within: bool, looped: bool) -> Any:
+def _in_body(
+    body: Any, twin: Any, nmb: int, within: bool, looped: bool, indices: _Indices | None = None
+) -> Any:
     """The equation of ``body`` (``twin``: the same at the whole batch) that combines examples."""
     if len(body.eqns) != len(twin.eqns) or any(
         q.primitive is not r.primitive for q, r in zip(body.eqns, twin.eqns, strict=True)
@@ -230,7 +239,45 @@ def _in_body(body: Any, twin: Any, nmb: int, within: bool, looped: bool) -> Any:
         return None
     pairs = zip(body.eqns, twin.eqns, strict=True)
     return next(
-        (f for q, r in pairs if (f := _mixing(q, r, nmb, within=within, looped=looped)) is not None), None
+        (
+            f
+            for q, r in pairs
+            if (f := _mixing(q, r, nmb, indices=indices, within=within, looped=looped)) is not None
+        ),
+        None,
+    )
+
+
+KEEPING_PRIMITIVES = ELEMENTWISE_PRIMITIVES | fusion.LAYOUT_PRIMITIVES | {"broadcast_in_dim"}
+"""Primitives that keep a fill the same along the batch, and an index what it numbers."""
+
+
+def _read_from_the_batch(eqns: Sequence[Any], seeds: Set[Any]) -> frozenset[Any]:
+    """The integers ``eqns`` make from ``seeds`` (the batch's integer leaves) by elementwise and
+    layout equations alone, through calls too: ``jnp``'s wrapping of negative indices, ``[:,
+    None]``. Indices among them are positions the data pipeline numbered over the whole batch (a
+    partner example's row); mixed with an ``iota`` along the batch (``jnp.arange(n)[:, None] * T
+    + positions``) or computed from the examples' values they are the microbatch's own."""
+    found = set(seeds)
+    for e in eqns:
+        operands = [a for a in e.invars if not compat.is_literal(a)]
+        if not operands or not all(a in found for a in operands):
+            continue
+        body = compat.operand_body(e)
+        if body is not None:
+            inner = _read_from_the_batch(
+                body.eqns, {v for a, v in zip(e.invars, body.invars, strict=True) if a in found}
+            )
+            found.update(v for b, v in zip(body.outvars, e.outvars, strict=True) if b in inner)
+        elif e.primitive.name in KEEPING_PRIMITIVES:
+            found.update(v for v in e.outvars if _whole_number(v))
+    return frozenset(found)
+
+
+def _whole_number(v: Any) -> bool:
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    return dtype is not None and (
+        jax.dtypes.issubdtype(dtype, np.integer) or jax.dtypes.issubdtype(dtype, np.bool_)
     )
 
 
@@ -277,10 +324,23 @@ class _Indices:
     data: Set[Any]
     """Values made from the examples' values: indices among them (a mixture of experts' routing,
     ``take_along_axis`` by the labels) pick from the example they are made for."""
-    mine: _Static
-    """Index values made from no input, at one microbatch."""
-    theirs: _Static
+    mine: _Static | None
+    """Index values made from no input, at one microbatch (None inside a call's body: indices
+    not read from the batch are taken as each example's own there)."""
+    theirs: _Static | None
     """The same at the whole batch."""
+    positions: Set[Any] = frozenset()
+    """Integers read from the batch (:func:`_read_from_the_batch`): indices among them pick the
+    rows of the whole batch that the data pipeline numbered."""
+
+    def into(self, e: Any, body: Any) -> _Indices:
+        """What tells the same inside ``body``, the body of the call ``e``."""
+        seeds = {
+            v
+            for a, v in zip(e.invars, body.invars, strict=True)
+            if not compat.is_literal(a) and a in self.positions
+        }
+        return _Indices(frozenset(), None, None, _read_from_the_batch(body.eqns, seeds))
 
 
 def _own_indices(
@@ -293,7 +353,11 @@ def _own_indices(
     ``jnp.arange(n)[::-1]``, picks by place."""
     if len(ins) < 2 or not ins[1]:
         return False
-    if indices is None or e.invars[1] in indices.data:
+    if indices is None:
+        return True
+    if e.invars[1] in indices.positions:
+        return False
+    if indices.mine is None or indices.theirs is None or e.invars[1] in indices.data:
         return True
     part, whole = indices.mine.value(e.invars[1]), indices.theirs.value(other.invars[1])
     if part is None or whole is None or len(ins[1]) != 1:

@@ -31,9 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar._src import compat, example_mixing, fusion, layers
+from autopar._src import compat, example_mixing, layers
 from autopar._src.example_mixing import per_example_dims
-from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
 from autopar._src.trace import TracedStep
 
 BATCH = "batch"
@@ -50,9 +49,7 @@ _NAMING = frozenset(
 by one and compared for equality), integer conversions besides."""
 
 
-_KEEPING = ELEMENTWISE_PRIMITIVES | fusion.LAYOUT_PRIMITIVES | {"broadcast_in_dim"}
-"""Primitives that keep a fill a fill (the same along the batch) and a permutation's positions
-each row's."""
+_KEEPING = example_mixing.KEEPING_PRIMITIVES
 
 
 @dataclasses.dataclass(frozen=True)
