@@ -67,10 +67,38 @@ def _top2_dropless(z):
     return (back * gates[..., None]).sum(1)
 
 
+def _inverse_by_scatter(z):
+    order = jnp.argsort(z[:, 0])
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+    return (2.0 * jnp.tanh(z[order]))[inverse]
+
+
+def _copies_by_token(z):
+    """GShard-style: each row's two copies numbered by ``jnp.repeat(jnp.arange(n), 2)``, sorted by
+    expert, and added back to their rows."""
+    expert = jnp.argmax(z[:, :4], -1)
+    order = jnp.argsort(jnp.stack([expert, (expert + 1) % 4], 1).reshape(-1))
+    token = jnp.repeat(jnp.arange(z.shape[0]), 2)[order]
+    return jnp.zeros_like(z).at[token].add(0.5 * jnp.tanh(z[token]))
+
+
+# A three-operand einsum contracts in an order that depends on the sizes: the two traces differ
+# there, and are compared around it.
+_A = jax.random.normal(jax.random.key(2), (10, 8)) * 0.3
+_B = jax.random.normal(jax.random.key(3), (8, 10)) * 0.3
+
+
+def _einsum3(z):
+    return jnp.einsum("nd,de,ef->nf", z, _A, _B)
+
+
 @pytest.mark.parametrize(
     "step",
     [
         _step(on_logits=_top2_dropless),
+        _step(on_logits=_inverse_by_scatter),
+        _step(on_logits=_copies_by_token),
+        _step(on_logits=lambda z: _scattered_back(_einsum3(z))),
         _step(on_logits=_scattered_back),
         _step(on_logits=_gathered_back),
         _step(on_logits=jax.jit(_scattered_back)),
@@ -83,6 +111,9 @@ def _top2_dropless(z):
     ],
     ids=[
         "top2-dropless",
+        "inverse-by-scatter",
+        "copies-by-token",
+        "scattered-back-after-einsum3",
         "scattered-back",
         "gathered-by-the-inverse",
         "scattered-back-in-jit",
@@ -118,6 +149,7 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
             ),
             "cond",
         ),
+        (_step(on_logits=lambda z: _einsum3(z)[jnp.argsort(z[:, 0])]), "mul|add|sub|gather|select_n|eq"),
         # A weight per rank: the microbatch's ranks are not the batch's.
         (
             _step(
@@ -139,6 +171,7 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
         "argsort-gather-in-jit",
         "argsort-gather-in-scan",
         "sort-in-one-branch",
+        "argsort-gather-after-einsum3",
         "weight-per-rank",
         "another-sorts-order",
     ],
@@ -147,7 +180,8 @@ def test_sorted_rows_meeting_another_order_are_an_error_with_microbatches(step, 
     state, batches = _setup()
     with pytest.raises(
         ValueError,
-        match=rf"sorts the examples \(at .*test_example_order.*sort\[.*combines them.*({meets}).*num_microbatches=1",
+        match=rf"sorts the examples \(at .*test_example_order.*sort\[.*combines them.*({meets})"
+        r".*num_microbatches=1",
     ):
         autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
@@ -157,5 +191,28 @@ def test_sorted_rows_returned_per_example_are_an_error_with_microbatches():
     state, batches = _setup()
     step = _step(aux=lambda z: jnp.sort(z, axis=0))
     with pytest.raises(ValueError, match=r"Aux output 0 .* in the order of a sort \(at .*test_example_order"):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
+def _above_the_median_rank(losses):
+    """Hard-example mining by ranks: the examples ranked in the upper half of the batch."""
+    ranks = jnp.argsort(jnp.argsort(jax.lax.stop_gradient(losses)))
+    return (losses * (ranks >= losses.shape[0] // 2)).mean() * 2
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        _step(on_losses=_above_the_median_rank),
+        _step(on_losses=lambda losses: (losses * jnp.linspace(0.5, 1.5, losses.shape[0])).mean()),
+        _step(aux=lambda z: jnp.argsort(jnp.argsort(z[:, 0]))),
+    ],
+    ids=["ranks", "weight-per-row", "ranks-per-example"],
+)
+def test_positions_in_the_batch_read_as_numbers_are_an_error_with_microbatches(step):
+    """A microbatch's ranks and row numbers are not the whole batch's."""
+    state, batches = _setup()
+    with pytest.raises(ValueError, match=r"positions in (the batch|their microbatch)"):
         autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)

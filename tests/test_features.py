@@ -742,8 +742,24 @@ def _with_partners(batch, seed=0):
         (None, lambda z, partner: 0.5 * (z + z[partner])),
         (None, lambda z, partner: 0.5 * (z + jnp.take(z, partner, axis=0))),  # in jnp's jit
         (lambda x, partner: 0.5 * (x + x[partner]), None),  # before the gradient
+        (None, lambda z, partner: jax.lax.fori_loop(0, 2, lambda i, c: 0.5 * (c + c[partner]), z)),
+        (
+            None,
+            lambda z, partner: jax.lax.cond(z.sum() > -1e9, lambda c: 0.5 * (c + c[partner]), lambda c: c, z),
+        ),
+        (lambda x, partner: jax.lax.fori_loop(0, 1, lambda i, c: 0.5 * (c + c[partner]), x), None),
+        # after a three-operand einsum, whose contraction order differs between the traces
+        (None, lambda z, partner: jnp.einsum("nd,de,ef->nf", z, jnp.eye(10), jnp.eye(10)) + z[partner]),
     ],
-    ids=["in-loss", "take-in-loss", "before-the-gradient"],
+    ids=[
+        "in-loss",
+        "take-in-loss",
+        "before-the-gradient",
+        "in-loop",
+        "in-cond",
+        "in-loop-before",
+        "after-einsum3",
+    ],
 )
 def test_rows_picked_by_indices_read_from_the_batch_are_an_error_with_microbatches(before, inside):
     """The batch's own integers number the whole batch's rows: a microbatch holds others."""

@@ -539,3 +539,24 @@ def test_a_sum_of_values_made_in_several_tasks_is_split_per_task():
     ints = jax.make_jaxpr(lambda i, j: (i * 2) + (j * 3))(1, 2).jaxpr
     apart = {e.outvars[0]: (k, "B") for k, e in enumerate(ints.eqns[:2])}
     assert region_outputs.split_sums(ints, [(ints.outvars[0], "n")], apart) == {}
+
+
+def test_a_sum_after_an_einsum_whose_contraction_order_depends_on_the_batch_size_is_an_error():
+    """A three-operand einsum contracts in another order at the whole batch: the two traces
+    differ there and are compared around it, so the sum over the examples is still found."""
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    batch = train.make_batch("mlp", config, BATCH)
+    a, b = jnp.full((10, 8), 0.1), jnp.full((8, 10), 0.1)
+
+    def step(state, batch):
+        def loss_fn(p):
+            logits = jnp.einsum("nd,de,ef->nf", state.apply_fn({"params": p}, batch["x"]), a, b)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).sum()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    with pytest.raises(ValueError, match=r"The loss \(float32\[\]\) is a sum over the examples"):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
+    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=1)

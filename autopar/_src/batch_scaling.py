@@ -86,17 +86,26 @@ def _walk(
                 if not compat.is_literal(a) and a in found:
                     found[v] = found[a]
             continue
-        other = twin[id(e)]
+        other = twin.get(id(e))
         if grow and (
             any(not compat.is_literal(a) and a in tainted for a in e.invars)
+            or other is None
             or any(v.aval.shape != w.aval.shape for v, w in zip(e.outvars, other.outvars, strict=True))
         ):
             tainted.update(e.outvars)
-        outs = _eqn(e, other, tainted, nmb, found, iterating)
+        outs = _eqn(e, other, tainted, nmb, found, iterating) if other is not None else _untwinned(e, found)
         for v, scaling in zip(e.outvars, outs, strict=True):
             # Predicates (a guard on any(mask)) carry no magnitude.
             if scaling is not None and not compat.is_dropvar(v) and (is_float(v) or _is_int(v)):
                 found[v] = scaling
+
+
+def _untwinned(e: Any, found: Found) -> list[Scaling | None]:
+    """The scalings of an equation the whole batch's trace has not (an einsum's contraction in
+    another order there): its operands' as an elementwise equation's, the unknown one first."""
+    ins = [found[a] for a in e.invars if not compat.is_literal(a) and a in found]
+    scaling = next((s for s in ins if s.unknown), None) or max(ins, key=lambda s: s.degree, default=None)
+    return [scaling] * len(e.outvars)
 
 
 def _eqn(

@@ -15,6 +15,7 @@ step traced at one microbatch and at the whole batch tell the per-example dims a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 from collections.abc import Sequence, Set
 from typing import Any
@@ -54,10 +55,7 @@ def require_examples_apart(
     if at is None or at_whole is None:
         return
     mine, theirs = step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at_whole]
-    if len(mine) != len(theirs) or any(
-        q.primitive is not r.primitive for q, r in zip(mine, theirs, strict=True)
-    ):
-        return  # code that changes with the batch size: equation by equation says nothing
+    twin = twin_equations(mine, theirs, nmb)
     # Only what reaches the loss function: a value returned from the step is refused by name
     # (partition), one the update reads after the gradient too.
     needed = {a for a in step.jaxpr.eqns[at].invars if not compat.is_literal(a) and a not in whole_figures}
@@ -69,11 +67,12 @@ def require_examples_apart(
     tainted = {step.arg_vars[i] for i in batch_ids}
     positions = _read_from_the_batch(mine, {v for v in tainted if _whole_number(v)})
     indices = _Indices(tainted, _Static(mine, step), _Static(theirs, whole), positions)  # tainted grows
-    for k, (e, other) in enumerate(zip(mine, theirs, strict=True)):
+    for k, e in enumerate(mine):
         if not any(not compat.is_literal(a) and a in tainted for a in e.invars):
             continue
         tainted.update(v for v in e.outvars if not compat.is_dropvar(v))
-        found = _mixing(e, other, nmb, indices) if k in feeding else None
+        other = twin.get(id(e))
+        found = _mixing(e, other, nmb, indices) if k in feeding and other is not None else None
         if found is not None:
             where = compat.source_line(found, compat.source_line(e))  # in a loop's body: the loop's
             raise ValueError(
@@ -105,10 +104,7 @@ def require_examples_apart_in_loss(
     rw = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
     mine = [e for e in rj.eqns if not layers.is_boundary(e)]
     theirs = [e for e in rw.eqns if not layers.is_boundary(e)]
-    if len(mine) != len(theirs) or any(
-        q.primitive is not r.primitive for q, r in zip(mine, theirs, strict=True)
-    ):
-        return  # code that changes with the batch size: equation by equation says nothing
+    twin = twin_equations(mine, theirs, nmb)
     used = feeding_outputs(rj, statistics)
     # Values made from the microbatch's examples (not from positions, keys or constants alone).
     data = {v for v, w in zip(rj.invars, rw.invars, strict=True) if per_example_dims(v, w, nmb)}
@@ -117,8 +113,9 @@ def require_examples_apart_in_loss(
             data.update(v for v in e.outvars if not compat.is_dropvar(v))
     positions = _read_from_the_batch(rj.eqns, {v for v in data & set(rj.invars) if _whole_number(v)})
     indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns), positions)
-    for e, other in zip(mine, theirs, strict=True):
-        found = _mixing(e, other, nmb, within=True, indices=indices) if id(e) in used else None
+    for e in mine:
+        other = twin.get(id(e))
+        found = _mixing(e, other, nmb, within=True, indices=indices) if id(e) in used and other else None
         if found is not None:
             where = compat.source_line(found, compat.source_line(e))  # in a loop's body: the loop's
             raise ValueError(
@@ -130,6 +127,32 @@ def require_examples_apart_in_loss(
                 "batch, which number the whole batch's rows) would not be the whole batch's. Do it in "
                 "the data pipeline, pick per example, or use num_microbatches=1."
             )
+
+
+def twin_equations(mine: Sequence[Any], theirs: Sequence[Any], nmb: int) -> dict[int, Any]:
+    """``id`` of each equation of ``mine`` (traced at one of ``nmb`` microbatches) -> its twin in
+    ``theirs`` (at the whole batch). Where the two differ in more than shapes (a three-operand
+    ``jnp.einsum``, whose contraction order depends on the sizes; a Python loop over chunks of
+    the batch), the longest runs of alike equations are paired, each pair's values alike but for
+    dims ``nmb`` times longer, and the others have no twin: the checks pass over them."""
+
+    def key(e: Any) -> tuple[str, int, int]:
+        return e.primitive.name, len(e.invars), len(e.outvars)
+
+    a, b = [key(e) for e in mine], [key(e) for e in theirs]
+    if a == b:
+        return dict(zip(map(id, mine), theirs, strict=True))
+    blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
+    pairs = ((mine[m.a + k], theirs[m.b + k]) for m in blocks for k in range(m.size))
+    return {id(q): r for q, r in pairs if _alike(q, r, nmb)}
+
+
+def _alike(q: Any, r: Any, nmb: int) -> bool:
+    for v, w in zip([*q.invars, *q.outvars], [*r.invars, *r.outvars], strict=True):
+        x, y = _shape(v), _shape(w)
+        if len(x) != len(y) or any(i != j and i * nmb != j for i, j in zip(x, y, strict=True)):
+            return False
+    return True
 
 
 def feeding_outputs(jaxpr: Any, statistics: Set[Any] = frozenset()) -> set[int]:
@@ -161,15 +184,17 @@ def _mixing(
     row by the loop's counter."""
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
-        inside = None if indices is None else indices.into(e, body)
+        inside = None if indices is None else indices.into(e.invars, body)
         return _in_body(body, twin, nmb, within, looped, inside)
     inner, theirs = compat.bodies(e), compat.bodies(other)
     if len(inner) == len(theirs):  # a loop's or a cond's: reversed, sorted, sliced along the batch
+        branching = compat.cond_branches(e) is not None  # no counter to pick rows by
         found = next(
             (
                 f
                 for b, t in zip(inner, theirs, strict=True)
-                if (f := _in_body(b, t, nmb, within, True)) is not None
+                if (f := _in_body(b, t, nmb, within, looped or not branching, _inside(e, b, indices)))
+                is not None
             ),
             None,
         )
@@ -203,8 +228,9 @@ def _mixing(
             (p["start_indices"][d], p["limit_indices"][d], strides[d]) == (0, full[d], 1) for d in operand
         )
         return None if kept else e
-    if looped and (name in ("dynamic_slice", "gather", "dynamic_update_slice") or name.startswith("scatter")):
-        return None
+    picks = name in ("dynamic_slice", "gather", "dynamic_update_slice") or name.startswith("scatter")
+    if looped and picks and (indices is None or len(e.invars) < 2 or e.invars[1] not in indices.positions):
+        return None  # by the loop's counter, maybe: but not by indices read from the batch
     if name in ("dynamic_slice", "gather", "pad"):
         full = _shape(e.invars[0])
         if name == "pad":
@@ -227,6 +253,22 @@ def _mixing(
         aligned = _own_indices(e, other, ins, operand, nmb, indices)  # each example's own rows
         return e if operand & picked and not aligned else None
     return None
+
+
+def _inside(e: Any, body: Any, indices: _Indices | None) -> _Indices | None:
+    """``indices`` inside ``body``, a loop's or a ``cond``'s body of ``e``, where its inputs are
+    ``e``'s operands one for one (a ``scan``'s, a branch's, a ``while``'s body or predicate)."""
+    if indices is None:
+        return None
+    operands = list(e.invars[1:] if compat.cond_branches(e) is not None else e.invars)
+    if e.primitive.name == "while":
+        skip, consts = e.params["cond_nconsts"], e.params["body_nconsts"]
+        looped = e.params["body_jaxpr"]
+        in_body = body is looped or body is getattr(looped, "jaxpr", None)
+        operands = operands[skip:] if in_body else operands[:skip] + operands[skip + consts :]
+    if len(operands) != len(body.invars):
+        return None
+    return indices.into(operands, body)
 
 
 def _in_body(
@@ -333,11 +375,11 @@ class _Indices:
     """Integers read from the batch (:func:`_read_from_the_batch`): indices among them pick the
     rows of the whole batch that the data pipeline numbered."""
 
-    def into(self, e: Any, body: Any) -> _Indices:
-        """What tells the same inside ``body``, the body of the call ``e``."""
+    def into(self, operands: Sequence[Any], body: Any) -> _Indices:
+        """What tells the same inside ``body``, given ``operands`` (its inputs' values outside)."""
         seeds = {
             v
-            for a, v in zip(e.invars, body.invars, strict=True)
+            for a, v in zip(operands, body.invars, strict=True)
             if not compat.is_literal(a) and a in self.positions
         }
         return _Indices(frozenset(), None, None, _read_from_the_batch(body.eqns, seeds))

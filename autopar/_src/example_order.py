@@ -25,7 +25,7 @@ are refused by :mod:`~autopar._src.example_mixing` whatever the order.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import jax
@@ -50,6 +50,8 @@ by one and compared for equality), integer conversions besides."""
 
 
 _KEEPING = example_mixing.KEEPING_PRIMITIVES
+_DRAWS = ("random_", "threefry")
+"""Prefixes of the primitives that draw random values: a dropout mask's rows are not positions."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,17 +68,39 @@ class _Walk:
         self.order: dict[Any, Any] = {}
         self.perm: dict[Any, _Perm] = {}
         self.sorts: dict[int, tuple[Any, str]] = {}  # id(sort equation) -> it and its line
+        self.positions: set[Any] = set()
+        """Values made from the rows' positions in their microbatch as numbers (ranks, a weight
+        per row): each microbatch's differ from the whole batch's."""
         self.outer = "a line JAX did not record"
         """The line of the innermost loop or call being walked, for equations without their own."""
 
     def of(self, v: Any) -> Any:
         return None if compat.is_literal(v) else self.order.get(v)
 
-    def run(self, eqns: Sequence[Any], twins: Sequence[Any], used: set[int] | None) -> None:
-        for e, other in zip(eqns, twins, strict=True):
+    def run(
+        self, eqns: Sequence[Any], twins: Sequence[Any] | Mapping[int, Any], used: set[int] | None
+    ) -> None:
+        """Walks ``eqns``; ``twins``: theirs at the whole batch, one for one or by ``id``."""
+        twin = twins if isinstance(twins, Mapping) else dict(zip(map(id, eqns), twins, strict=True))
+        for e in eqns:
             outer, self.outer = self.outer, self.line(e)
-            self.eqn(e, other, used is None or id(e) in used)
+            other = twin.get(id(e))
+            checked = used is None or id(e) in used
+            if other is None:
+                self._untwinned(e, checked)
+            else:
+                self.eqn(e, other, checked)
             self.outer = outer
+
+    def _untwinned(self, e: Any, checked: bool) -> None:
+        """An equation the trace at the whole batch has not (an einsum's contraction order there):
+        its results in the one order of its operands."""
+        order = self._common(e, [a for a in e.invars if self.of(a) is not None], checked)
+        numbered = any(not compat.is_literal(a) and a in self.positions for a in e.invars)
+        for v in e.outvars:
+            self._set(v, BATCH if order == ROWS else order if order != ANY else None, None)
+            if numbered:
+                self.positions.add(v)
 
     def line(self, e: Any) -> str:
         return compat.source_line(e, self.outer)
@@ -120,14 +144,34 @@ class _Walk:
         if name.startswith("scatter") and self._scatter(e, other, checked):
             return
         found = self._common(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked)
+        made = not any(ins) and name not in _KEEPING and not name.startswith(_DRAWS)
         if found == ANY and name not in _KEEPING:
             found = BATCH  # made from no example, but maybe not the same along the batch: positions
         naming = name in _NAMING or (name == "convert_element_type" and _integer(e.outvars[0]))
         order = ROWS if found == ROWS and naming else (BATCH if found == ROWS else found)
         perm = self._kept_perm(e, ins)
+        kept = perm is not None and any(_integer(v) for v in e.outvars)
+        values = [a for k, a in enumerate(e.invars) if ins[k] and k in _value_operands(e)]
+        numbers = [a for a in values if self._numbered(a, naming, kept)]
+        if numbers and checked and any(_float(v) for v in e.outvars):
+            data = [a for a in values if a not in numbers and self.of(a) not in (None, ANY, ROWS)]
+            if data:
+                self._refuse_positions(e)
         for v, per in zip(e.outvars, outs, strict=True):
             if per:
                 self._set(v, order, perm if _integer(v) else None)
+                if (numbers and not (kept and _integer(v))) or made:  # made: ``jnp.linspace(a, b, n)``
+                    self.positions.add(v)
+
+    def _numbered(self, a: Any, naming: bool, kept: bool) -> bool:
+        """Whether ``a`` is read for the positions of the rows as numbers: made from them, a
+        permutation not kept as one (ranks, a double argsort's), an ``iota`` along the batch
+        other than as names of the rows."""
+        return (
+            a in self.positions
+            or (self._perm_of(a) is not None and not kept)
+            or (self.of(a) == ROWS and not naming)
+        )
 
     def _control(self, e: Any, other: Any, checked: bool) -> bool:
         """Walks a ``scan``'s, ``while``'s or ``cond``'s bodies with their operands' orders (a
@@ -187,6 +231,8 @@ class _Walk:
         """Gives each variable of ``into`` the order and permutation of its value in ``values``."""
         for v, a in zip(into, values, strict=True):
             self._set(v, self.of(a), self._perm_of(a))
+            if not compat.is_literal(a) and a in self.positions:
+                self.positions.add(v)
 
     def _perm_of(self, a: Any) -> _Perm | None:
         return None if compat.is_literal(a) else self.perm.get(a)
@@ -216,9 +262,11 @@ class _Walk:
         """The permutation an elementwise or layout equation on it keeps: ``jnp``'s wrapping of
         negative indices, ``[:, None]``, ``// k`` for the ``k`` copies of a token routed to ``k``
         experts. Its other per-example integer operands must be that permutation too."""
-        if e.primitive.name not in _KEEPING:
+        if e.primitive.name not in _KEEPING - {"neg"}:
             return None
         perms = {self.perm.get(a) for a, per in zip(e.invars, ins, strict=True) if per and _integer(a)}
+        if e.primitive.name == "sub" and self._perm_of(e.invars[0]) is None:
+            return None  # ``n - 1 - order`` reverses the positions
         return perms.pop() if len(perms) == 1 else None
 
     def _sort(self, e: Any, checked: bool) -> None:
@@ -243,6 +291,9 @@ class _Walk:
         along = per_example_dims(operand, other.invars[0], self.nmb) & set(numbers.start_index_map)
         if perm is None or not along:
             return False
+        if self.of(operand) == ROWS:  # ``jnp.arange(n)[order]``: the permutation itself
+            self._set(e.outvars[0], perm.dst, perm if _integer(e.outvars[0]) else None)
+            return True
         if self.of(operand) not in (perm.src, ANY, None) and checked:
             self._refuse(e, {self.of(operand), perm.src})
         self._set(e.outvars[0], perm.dst, None)
@@ -262,11 +313,21 @@ class _Walk:
             for a, want in ((operand, perm.src), (updates, perm.dst)):
                 if self.of(a) not in (want, ANY, ROWS, None):
                     self._refuse(e, {self.of(a), want})
-        self._set(e.outvars[0], perm.src, None)
+        # ``zeros.at[order].set(jnp.arange(n))``: the inverse permutation.
+        inverse = _Perm(perm.dst, perm.src) if self.of(updates) == ROWS and _integer(e.outvars[0]) else None
+        self._set(e.outvars[0], perm.src, inverse)
         return True
 
     def _refuse(self, e: Any, orders: set[Any]) -> None:
-        sort, where = next(self.sorts[o] for o in sorted(orders - {BATCH, ANY, ROWS}, key=str))
+        sorts = [self.sorts[o] for o in sorted(orders, key=str) if o in self.sorts]
+        if not sorts:
+            raise ValueError(
+                f"The loss function combines rows of the batch with their positions (at {self.line(e)}: "
+                f"{str(e).splitlines()[0]!r}). With microbatches each numbers only its own rows, so "
+                "neither the loss nor its gradients would be the whole batch's. Use "
+                "num_microbatches=1."
+            )
+        sort, where = sorts[0]
         raise ValueError(
             f"The loss function sorts the examples (at {where}: "
             f"{str(sort).splitlines()[0]!r}) and then combines them, in that order, with what is "
@@ -278,8 +339,27 @@ class _Walk:
             "num_microbatches=1."
         )
 
+    def _refuse_positions(self, e: Any) -> None:
+        raise ValueError(
+            f"The loss function combines the examples with their positions in the batch (at "
+            f"{self.line(e)}: {str(e).splitlines()[0]!r}): a weight per row "
+            "(`jnp.linspace(a, b, n)`), ranks (a double argsort). With microbatches each numbers "
+            "only its own rows, so neither the loss nor its gradients would be the whole batch's. "
+            "Compute them in the data pipeline and pass them in the batch, or use num_microbatches=1."
+        )
+
     def refuse_outputs(self, outvars: Sequence[Any], twins: Sequence[Any]) -> None:
         for i, (v, w) in enumerate(zip(outvars, twins, strict=True)):
+            if compat.is_literal(v):
+                continue
+            numbered = v in self.positions or self.perm.get(v) is not None or self.of(v) == ROWS
+            if numbered and per_example_dims(v, w, self.nmb):
+                raise ValueError(
+                    f"Aux output {i - 1} of the loss function holds the rows' positions in their "
+                    "microbatch (ranks, say): each microbatch numbers only its own rows, so the "
+                    "concatenated values would not be the whole batch's. Compute them after the "
+                    "step, or use num_microbatches=1."
+                )
             order = self.of(v)
             if order in self.sorts and per_example_dims(v, w, self.nmb):
                 sort, where = self.sorts[order]
@@ -290,6 +370,23 @@ class _Walk:
                     "would not be the whole batch's. Return them in the batch's order or use "
                     "num_microbatches=1."
                 )
+
+
+def _value_operands(e: Any) -> range | tuple[int, ...]:
+    """The operands of ``e`` read as values, not as indices into another."""
+    name = e.primitive.name
+    if name in ("gather", "dynamic_slice"):
+        return (0,)
+    if name == "dynamic_update_slice":
+        return (0, 1)
+    if name.startswith("scatter"):
+        return (0, 2)
+    return range(len(e.invars))
+
+
+def _float(v: Any) -> bool:
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, np.floating)
 
 
 def _integer(v: Any) -> bool:
@@ -310,13 +407,10 @@ def require_batch_order_in_loss(
     """
     rj = step.jaxpr.eqns[step.region_index()].params["info"].jaxpr
     rw = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
-    if len(rj.eqns) != len(rw.eqns) or any(
-        q.primitive is not r.primitive for q, r in zip(rj.eqns, rw.eqns, strict=True)
-    ):
-        return  # code that changes with the batch size: equation by equation says nothing
     walk = _Walk(nmb)
     for v, w in zip(rj.invars, rw.invars, strict=True):
         if per_example_dims(v, w, nmb):
             walk.order[v] = BATCH
-    walk.run(rj.eqns, rw.eqns, example_mixing.feeding_outputs(rj, statistics))
+    twins = example_mixing.twin_equations(rj.eqns, rw.eqns, nmb)
+    walk.run(rj.eqns, twins, example_mixing.feeding_outputs(rj, statistics))
     walk.refuse_outputs(rj.outvars, rw.outvars)

@@ -216,11 +216,7 @@ def require_combinable(
                 "Compute it outside the step, or use num_microbatches=1."
             )
     mine = [e for e in rj.eqns if not layers.is_boundary(e)]
-    same = len(mine) == len(theirs) and all(
-        q.primitive is r.primitive and (len(q.invars), len(q.outvars)) == (len(r.invars), len(r.outvars))
-        for q, r in zip(mine, theirs, strict=True)
-    )  # else the traces differ (a Python loop over the rows): equation by equation says nothing
-    twin = dict(zip(map(id, mine), theirs, strict=True)) if same else {}
+    twin = example_mixing.twin_equations(mine, theirs, nmb)
     # tainted: made from the examples (or of a per-example shape); unsure: maybe (a while loop).
     unsure: set[Any] = set()
 
