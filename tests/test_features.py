@@ -97,6 +97,13 @@ def test_nnx_batchnorm_state_is_updated():
 # -- errors ----------------------------------------------------------------------------------
 
 
+def _assert_refused_with_microbatches(step, state, batch, match):
+    """``step`` is an error naming ``match`` with 2 microbatches, and equals jit with one."""
+    with pytest.raises(ValueError, match=match):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(state, batch)
+    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
 def _mlp_step():
     config = train.tiny_config("mlp")
     step, state = train.setup("mlp", "linen", config, optax.sgd(0.1))
@@ -474,11 +481,9 @@ def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatc
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    with pytest.raises(
-        ValueError, match=r"loss function takes examples by their place .*test_features.*num_microbatches=2"
-    ):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(state, batch)
-    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    _assert_refused_with_microbatches(
+        step, state, batch, r"loss function takes examples by their place .*test_features.*num_microbatches=2"
+    )
 
 
 @pytest.mark.parametrize(
@@ -777,11 +782,9 @@ def test_rows_picked_by_indices_read_from_the_batch_are_an_error_with_microbatch
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    with pytest.raises(
-        ValueError, match=r"(takes examples by their place|combines examples) .*read from the batch"
-    ):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(state, batch)
-    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    _assert_refused_with_microbatches(
+        step, state, batch, r"(takes examples by their place|combines examples) .*read from the batch"
+    )
 
 
 def test_positions_read_from_the_batch_offset_by_each_examples_row_equal_jit_with_microbatches():
