@@ -157,6 +157,15 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
             ),
             "mul",
         ),
+        # A permutation shifted, then put back: each row takes its neighbour's in the sort.
+        (
+            _step(
+                on_logits=lambda z: (lambda o: jnp.zeros_like(z).at[o].set(z[(o + 1) % z.shape[0]]))(
+                    jnp.argsort(z[:, 0])
+                )
+            ),
+            "gather|scatter",
+        ),
         # Rows put back by another sort's permutation.
         (
             _step(
@@ -173,6 +182,7 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
         "sort-in-one-branch",
         "argsort-gather-after-einsum3",
         "weight-per-rank",
+        "shifted-permutation",
         "another-sorts-order",
     ],
 )

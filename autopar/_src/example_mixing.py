@@ -15,16 +15,13 @@ step traced at one microbatch and at the whole batch tell the per-example dims a
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from collections.abc import Sequence, Set
 from typing import Any
 
-import jax
 import numpy as np
 
-from autopar._src import compat, fusion, layers
-from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
+from autopar._src import compat, layers, twin_traces
 from autopar._src.trace import TracedStep
 
 _STATIC_ELEMENTS = 1 << 20
@@ -55,7 +52,7 @@ def require_examples_apart(
     if at is None or at_whole is None:
         return
     mine, theirs = step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at_whole]
-    twin = twin_equations(mine, theirs, nmb)
+    twin = twin_traces.twin_equations(mine, theirs, nmb)
     # Only what reaches the loss function: a value returned from the step is refused by name
     # (partition), one the update reads after the gradient too.
     needed = {a for a in step.jaxpr.eqns[at].invars if not compat.is_literal(a) and a not in whole_figures}
@@ -65,7 +62,7 @@ def require_examples_apart(
             feeding.add(k)
             needed.update(a for a in mine[k].invars if not compat.is_literal(a) and a not in whole_figures)
     tainted = {step.arg_vars[i] for i in batch_ids}
-    positions = _read_from_the_batch(mine, {v for v in tainted if _whole_number(v)})
+    positions = twin_traces.read_from_the_batch(mine, {v for v in tainted if twin_traces.whole_number(v)})
     indices = _Indices(tainted, _Static(mine, step), _Static(theirs, whole), positions)  # tainted grows
     for k, e in enumerate(mine):
         if not any(not compat.is_literal(a) and a in tainted for a in e.invars):
@@ -73,6 +70,8 @@ def require_examples_apart(
         tainted.update(v for v in e.outvars if not compat.is_dropvar(v))
         other = twin.get(id(e))
         found = _mixing(e, other, nmb, indices) if k in feeding and other is not None else None
+        if found is not None and len(twin) < len(mine) and _picks_a_row(found, positions):
+            continue  # traces paired around a Python loop over the rows: a row's slice is its own
         if found is not None:
             where = compat.source_line(found, compat.source_line(e))  # in a loop's body: the loop's
             raise ValueError(
@@ -104,18 +103,22 @@ def require_examples_apart_in_loss(
     rw = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
     mine = [e for e in rj.eqns if not layers.is_boundary(e)]
     theirs = [e for e in rw.eqns if not layers.is_boundary(e)]
-    twin = twin_equations(mine, theirs, nmb)
-    used = feeding_outputs(rj, statistics)
+    twin = twin_traces.twin_equations(mine, theirs, nmb)
+    used = twin_traces.feeding_outputs(rj, statistics)
     # Values made from the microbatch's examples (not from positions, keys or constants alone).
-    data = {v for v, w in zip(rj.invars, rw.invars, strict=True) if per_example_dims(v, w, nmb)}
+    data = {v for v, w in zip(rj.invars, rw.invars, strict=True) if twin_traces.per_example_dims(v, w, nmb)}
     for e in rj.eqns:
         if any(not compat.is_literal(a) and a in data for a in e.invars):
             data.update(v for v in e.outvars if not compat.is_dropvar(v))
-    positions = _read_from_the_batch(rj.eqns, {v for v in data & set(rj.invars) if _whole_number(v)})
+    positions = twin_traces.read_from_the_batch(
+        rj.eqns, {v for v in data & set(rj.invars) if twin_traces.whole_number(v)}
+    )
     indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns), positions)
     for e in mine:
         other = twin.get(id(e))
         found = _mixing(e, other, nmb, within=True, indices=indices) if id(e) in used and other else None
+        if found is not None and len(twin) < len(mine) and _picks_a_row(found, positions):
+            continue  # traces paired around a Python loop over the rows: a row's slice is its own
         if found is not None:
             where = compat.source_line(found, compat.source_line(e))  # in a loop's body: the loop's
             raise ValueError(
@@ -129,42 +132,18 @@ def require_examples_apart_in_loss(
             )
 
 
-def twin_equations(mine: Sequence[Any], theirs: Sequence[Any], nmb: int) -> dict[int, Any]:
-    """``id`` of each equation of ``mine`` (traced at one of ``nmb`` microbatches) -> its twin in
-    ``theirs`` (at the whole batch). Where the two differ in more than shapes (a three-operand
-    ``jnp.einsum``, whose contraction order depends on the sizes; a Python loop over chunks of
-    the batch), the longest runs of alike equations are paired, each pair's values alike but for
-    dims ``nmb`` times longer, and the others have no twin: the checks pass over them."""
-
-    def key(e: Any) -> tuple[str, int, int]:
-        return e.primitive.name, len(e.invars), len(e.outvars)
-
-    a, b = [key(e) for e in mine], [key(e) for e in theirs]
-    if a == b:
-        return dict(zip(map(id, mine), theirs, strict=True))
-    blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
-    pairs = ((mine[m.a + k], theirs[m.b + k]) for m in blocks for k in range(m.size))
-    return {id(q): r for q, r in pairs if _alike(q, r, nmb)}
-
-
-def _alike(q: Any, r: Any, nmb: int) -> bool:
-    for v, w in zip([*q.invars, *q.outvars], [*r.invars, *r.outvars], strict=True):
-        x, y = _shape(v), _shape(w)
-        if len(x) != len(y) or any(i != j and i * nmb != j for i, j in zip(x, y, strict=True)):
-            return False
-    return True
-
-
-def feeding_outputs(jaxpr: Any, statistics: Set[Any] = frozenset()) -> set[int]:
-    """The ids of the equations of ``jaxpr`` that its outputs are made from, but for what only
-    makes ``statistics``."""
-    needed = {v for v in jaxpr.outvars if not compat.is_literal(v)} - set(statistics)
-    used = set()
-    for e in reversed(jaxpr.eqns):
-        if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
-            used.add(id(e))
-            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in statistics)
-    return used
+def _picks_a_row(e: Any, positions: Set[Any]) -> bool:
+    """Whether ``e`` picks rows by position, not by indices read from the batch: what a Python
+    loop over the rows (``[f(row) for row in x]``) does, where the two traces differ and are
+    paired around it (:func:`~autopar._src.twin_traces.twin_equations`), so that its slices
+    look like picks by place."""
+    name = e.primitive.name
+    if name in ("slice", "pad", "dynamic_slice", "dynamic_update_slice"):
+        return True
+    indexed = name == "gather" or name.startswith("scatter")
+    return indexed and not (
+        len(e.invars) > 1 and not compat.is_literal(e.invars[1]) and e.invars[1] in positions
+    )
 
 
 def _mixing(
@@ -202,17 +181,17 @@ def _mixing(
             return found
     # Per operand, in order (a literal has none).
     ins = [
-        set() if compat.is_literal(a) else per_example_dims(a, b, nmb)
+        set() if compat.is_literal(a) else twin_traces.per_example_dims(a, b, nmb)
         for a, b in zip(e.invars, other.invars, strict=True)
     ]
-    outs = [per_example_dims(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)]
+    outs = [twin_traces.per_example_dims(v, w, nmb) for v, w in zip(e.outvars, other.outvars, strict=True)]
     most_in = max((len(d) for d in ins), default=0)
     if most_in == 0:
         return None
     operand = ins[0] if ins else set()
     name, p = e.primitive.name, e.params
     if name == "top_k":  # along the last dim
-        return e if len(_shape(e.invars[0])) - 1 in operand else None
+        return e if len(twin_traces.shape_of(e.invars[0])) - 1 in operand else None
     if not within and (any(len(d) < most_in for d in outs) or any(len(d) > most_in for d in outs)):
         return e  # reduced over the examples, or every example against every other
     if within and name == "sort":
@@ -220,9 +199,9 @@ def _mixing(
     if name in _ALONG:
         dims = p[_ALONG[name]]
         dims = dims if isinstance(dims, tuple | list) else (dims,)
-        return e if any(d % len(_shape(e.invars[0])) in operand for d in dims) else None
+        return e if any(d % len(twin_traces.shape_of(e.invars[0])) in operand for d in dims) else None
     if name == "slice":
-        full = _shape(e.invars[0])
+        full = twin_traces.shape_of(e.invars[0])
         strides = p["strides"] or (1,) * len(full)
         kept = all(
             (p["start_indices"][d], p["limit_indices"][d], strides[d]) == (0, full[d], 1) for d in operand
@@ -232,7 +211,7 @@ def _mixing(
     if looped and picks and (indices is None or len(e.invars) < 2 or e.invars[1] not in indices.positions):
         return None  # by the loop's counter, maybe: but not by indices read from the batch
     if name in ("dynamic_slice", "gather", "pad"):
-        full = _shape(e.invars[0])
+        full = twin_traces.shape_of(e.invars[0])
         if name == "pad":
             whole_dims = [tuple(p["padding_config"][d]) == (0, 0, 0) for d in operand]
         elif name == "dynamic_slice":
@@ -243,7 +222,7 @@ def _mixing(
             whole_dims = [aligned or d in batching or p["slice_sizes"][d] == full[d] for d in operand]
         return None if all(whole_dims) else e
     if name == "dynamic_update_slice":  # writes some examples' rows: those at one position
-        full, part = _shape(e.invars[0]), _shape(e.invars[1])
+        full, part = twin_traces.shape_of(e.invars[0]), twin_traces.shape_of(e.invars[1])
         return None if all(part[d] == full[d] for d in operand) else e
     if name.startswith("scatter"):  # x.at[0].set(...): rows picked by position in the batch
         numbers = p["dimension_numbers"]
@@ -290,39 +269,6 @@ def _in_body(
     )
 
 
-KEEPING_PRIMITIVES = ELEMENTWISE_PRIMITIVES | fusion.LAYOUT_PRIMITIVES | {"broadcast_in_dim"}
-"""Primitives that keep a fill the same along the batch, and an index what it numbers."""
-
-
-def _read_from_the_batch(eqns: Sequence[Any], seeds: Set[Any]) -> frozenset[Any]:
-    """The integers ``eqns`` make from ``seeds`` (the batch's integer leaves) by elementwise and
-    layout equations alone, through calls too: ``jnp``'s wrapping of negative indices, ``[:,
-    None]``. Indices among them are positions the data pipeline numbered over the whole batch (a
-    partner example's row); mixed with an ``iota`` along the batch (``jnp.arange(n)[:, None] * T
-    + positions``) or computed from the examples' values they are the microbatch's own."""
-    found = set(seeds)
-    for e in eqns:
-        operands = [a for a in e.invars if not compat.is_literal(a)]
-        if not operands or not all(a in found for a in operands):
-            continue
-        body = compat.operand_body(e)
-        if body is not None:
-            inner = _read_from_the_batch(
-                body.eqns, {v for a, v in zip(e.invars, body.invars, strict=True) if a in found}
-            )
-            found.update(v for b, v in zip(body.outvars, e.outvars, strict=True) if b in inner)
-        elif e.primitive.name in KEEPING_PRIMITIVES:
-            found.update(v for v in e.outvars if _whole_number(v))
-    return frozenset(found)
-
-
-def _whole_number(v: Any) -> bool:
-    dtype = getattr(getattr(v, "aval", None), "dtype", None)
-    return dtype is not None and (
-        jax.dtypes.issubdtype(dtype, np.integer) or jax.dtypes.issubdtype(dtype, np.bool_)
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """The values of variables that ``eqns`` make from literals and constants alone."""
@@ -346,7 +292,7 @@ class _Static:
         if v in known:
             return known[v]
         e = producer.get(id(v))
-        if e is None or depth > 64 or np.prod(_shape(v)) > _STATIC_ELEMENTS:
+        if e is None or depth > 64 or np.prod(twin_traces.shape_of(v)) > _STATIC_ELEMENTS:
             return None
         ins = [self._value(a, producer, known, depth + 1) for a in e.invars]
         if any(x is None for x in ins):
@@ -372,8 +318,8 @@ class _Indices:
     theirs: _Static | None
     """The same at the whole batch."""
     positions: Set[Any] = frozenset()
-    """Integers read from the batch (:func:`_read_from_the_batch`): indices among them pick the
-    rows of the whole batch that the data pipeline numbered."""
+    """Integers read from the batch (:func:`~autopar._src.twin_traces.read_from_the_batch`):
+    indices among them pick the rows of the whole batch that the data pipeline numbered."""
 
     def into(self, operands: Sequence[Any], body: Any) -> _Indices:
         """What tells the same inside ``body``, given ``operands`` (its inputs' values outside)."""
@@ -382,7 +328,7 @@ class _Indices:
             for a, v in zip(operands, body.invars, strict=True)
             if not compat.is_literal(a) and a in self.positions
         }
-        return _Indices(frozenset(), None, None, _read_from_the_batch(body.eqns, seeds))
+        return _Indices(frozenset(), None, None, twin_traces.read_from_the_batch(body.eqns, seeds))
 
 
 def _own_indices(
@@ -410,21 +356,9 @@ def _own_indices(
     picked = tuple(
         numbers.start_index_map if e.primitive.name == "gather" else numbers.scatter_dims_to_operand_dims
     )
-    rows = _shape(e.invars[0])
+    rows = twin_traces.shape_of(e.invars[0])
     # Microbatch m's indices are the first microbatch's, moved by m microbatches' rows along
     # each per-example dim of the operand they pick.
     shift = np.array([rows[d] if d in operand else 0 for d in picked], dtype=part.dtype)
     expected = np.concatenate([part + m * shift for m in range(nmb)], axis=dim)
     return expected.shape == whole.shape and bool(np.array_equal(expected, whole))
-
-
-def _shape(v: Any) -> tuple[int, ...]:
-    return tuple(getattr(v.aval, "shape", ()))
-
-
-def per_example_dims(v: Any, w: Any, nmb: int) -> set[int]:
-    """The dims of ``v`` that are ``nmb`` times longer in ``w``, its whole batch's twin."""
-    a, b = _shape(v), _shape(w)
-    if len(a) != len(b):
-        return set()
-    return {d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y and x * nmb == y}

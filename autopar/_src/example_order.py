@@ -31,9 +31,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar._src import compat, example_mixing, layers
-from autopar._src.example_mixing import per_example_dims
+from autopar._src import compat, layers, twin_traces
 from autopar._src.trace import TracedStep
+from autopar._src.twin_traces import per_example_dims
 
 BATCH = "batch"
 """The batch's order."""
@@ -49,7 +49,7 @@ _NAMING = frozenset(
 by one and compared for equality), integer conversions besides."""
 
 
-_KEEPING = example_mixing.KEEPING_PRIMITIVES
+_KEEPING = twin_traces.KEEPING_PRIMITIVES
 _DRAWS = ("random_", "threefry")
 """Prefixes of the primitives that draw random values: a dropout mask's rows are not positions."""
 
@@ -68,6 +68,8 @@ class _Walk:
         self.order: dict[Any, Any] = {}
         self.perm: dict[Any, _Perm] = {}
         self.sorts: dict[int, tuple[Any, str]] = {}  # id(sort equation) -> it and its line
+        self.shifted: dict[Any, _Perm] = {}
+        """Integers a permutation shifted by a constant: floor division's ``q - 1``."""
         self.positions: set[Any] = set()
         """Values made from the rows' positions in their microbatch as numbers (ranks, a weight
         per row): each microbatch's differ from the whole batch's."""
@@ -149,7 +151,7 @@ class _Walk:
             found = BATCH  # made from no example, but maybe not the same along the batch: positions
         naming = name in _NAMING or (name == "convert_element_type" and _integer(e.outvars[0]))
         order = ROWS if found == ROWS and naming else (BATCH if found == ROWS else found)
-        perm = self._kept_perm(e, ins)
+        perm = self._kept_perm(e, other, ins)
         kept = perm is not None and any(_integer(v) for v in e.outvars)
         values = [a for k, a in enumerate(e.invars) if ins[k] and k in _value_operands(e)]
         numbers = [a for a in values if self._numbered(a, naming, kept)]
@@ -258,15 +260,39 @@ class _Walk:
             self._refuse(e, orders)
         return orders.pop()
 
-    def _kept_perm(self, e: Any, ins: list[bool]) -> _Perm | None:
-        """The permutation an elementwise or layout equation on it keeps: ``jnp``'s wrapping of
-        negative indices, ``[:, None]``, ``// k`` for the ``k`` copies of a token routed to ``k``
-        experts. Its other per-example integer operands must be that permutation too."""
-        if e.primitive.name not in _KEEPING - {"neg"}:
+    def _kept_perm(self, e: Any, other: Any, ins: list[bool]) -> _Perm | None:
+        """The permutation an elementwise or layout equation on it keeps: ``[:, None]``, ``// k``
+        for the ``k`` copies of a token routed to ``k`` experts, ``jnp``'s wrapping of negative
+        indices (adding the dim's size: a literal ``num_microbatches`` times larger at the whole
+        batch). Another shift (``order + 1``) or a reflection (``n - 1 - order``) is not the
+        permutation; floor division's correction of negative quotients (``select_n`` of ``q - 1``
+        and ``q``) keeps it, a permutation having none. Its other per-example integer operands
+        must be that permutation too."""
+        name = e.primitive.name
+        if name not in _KEEPING - {"neg"}:
             return None
+        if name in ("add", "sub"):
+            perm = self._perm_of(e.invars[0]) or (self._perm_of(e.invars[1]) if name == "add" else None)
+            rest = [(a, b) for a, b in zip(e.invars, other.invars, strict=True) if self._perm_of(a) is None]
+            if perm is None or len(rest) != 1:
+                return None
+            a, b = rest[0]
+            if (
+                compat.is_literal(a)
+                and compat.is_literal(b)
+                and np.all(
+                    np.asarray(compat.literal_value(b)) == self.nmb * np.asarray(compat.literal_value(a))
+                )
+            ):
+                return perm
+            for v in e.outvars:
+                self.shifted[v] = perm
+            return None
+        if name == "select_n":
+            cases = [a for a in e.invars[1:] if not compat.is_literal(a)]
+            perms = {self._perm_of(a) or self.shifted.get(a) for a in cases}
+            return perms.pop() if len(perms) == 1 and any(self._perm_of(a) for a in cases) else None
         perms = {self.perm.get(a) for a, per in zip(e.invars, ins, strict=True) if per and _integer(a)}
-        if e.primitive.name == "sub" and self._perm_of(e.invars[0]) is None:
-            return None  # ``n - 1 - order`` reverses the positions
         return perms.pop() if len(perms) == 1 else None
 
     def _sort(self, e: Any, checked: bool) -> None:
@@ -411,6 +437,6 @@ def require_batch_order_in_loss(
     for v, w in zip(rj.invars, rw.invars, strict=True):
         if per_example_dims(v, w, nmb):
             walk.order[v] = BATCH
-    twins = example_mixing.twin_equations(rj.eqns, rw.eqns, nmb)
-    walk.run(rj.eqns, twins, example_mixing.feeding_outputs(rj, statistics))
+    twins = twin_traces.twin_equations(rj.eqns, rw.eqns, nmb)
+    walk.run(rj.eqns, twins, twin_traces.feeding_outputs(rj, statistics))
     walk.refuse_outputs(rj.outvars, rw.outvars)

@@ -22,6 +22,7 @@ from autopar._src import (
     example_order,
     region_outputs,
     trace,
+    twin_traces,
     whole_batch,
 )
 from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
@@ -229,7 +230,7 @@ def _fill_of_the_batch(eqn: Any, other: Any, nmb: int, fills: set[Any]) -> bool:
     ids.shape)``, ``jnp.tile(jnp.arange(T), (n, 1))``), or an elementwise equation of such
     values (``fills``) and of values the same in both traces that do not vary along those dims
     (``jnp.ones(x.shape) + jnp.arange(T)``)."""
-    grown = example_mixing.per_example_dims(eqn.outvars[0], other.outvars[0], nmb)
+    grown = twin_traces.per_example_dims(eqn.outvars[0], other.outvars[0], nmb)
     if not grown:
         return False
     name = eqn.primitive.name

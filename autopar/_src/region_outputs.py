@@ -24,9 +24,9 @@ from autopar._src import (
     batch_statistics,
     compat,
     dependence,
-    example_mixing,
     layers,
     partial_chains,
+    twin_traces,
 )
 from autopar._src.program import Op
 from autopar._src.trace import TracedStep
@@ -216,7 +216,7 @@ def require_combinable(
                 "Compute it outside the step, or use num_microbatches=1."
             )
     mine = [e for e in rj.eqns if not layers.is_boundary(e)]
-    twin = example_mixing.twin_equations(mine, theirs, nmb)
+    twin = twin_traces.twin_equations(mine, theirs, nmb)
     # tainted: made from the examples (or of a per-example shape); unsure: maybe (a while loop).
     unsure: set[Any] = set()
 
@@ -368,7 +368,7 @@ def _pairing(e: Any, other: Any, nmb: int) -> Any:
         return None
     if not any(batch_scaling.is_float(v) for v in e.outvars):
         return None
-    dims = example_mixing.per_example_dims
+    dims = twin_traces.per_example_dims
     operands = [
         len(dims(a, b, nmb)) for a, b in zip(e.invars, other.invars, strict=True) if not compat.is_literal(a)
     ]

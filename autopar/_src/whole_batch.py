@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
-from autopar._src import compat, example_mixing
+from autopar._src import compat, twin_traces
 from autopar._src.program import Key, Op
 from autopar._src.trace import TracedStep
 
@@ -260,7 +260,7 @@ def input_ops(
 def joined_leaf(m: Any, w: Any, nmb: int) -> Op | None:
     """The op joining the ``nmb`` microbatches of batch leaf ``m`` into ``w``, its variable at the
     whole batch (None where no one dim of ``w`` is ``nmb`` times ``m``'s)."""
-    dims = example_mixing.per_example_dims(m, w, nmb)
+    dims = twin_traces.per_example_dims(m, w, nmb)
     if len(dims) != 1:
         return None
     parts = tuple((m, j) for j in range(nmb))

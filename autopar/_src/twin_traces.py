@@ -1,0 +1,102 @@
+"""The step traced at one microbatch and at the whole batch, side by side.
+
+The microbatch checks (:mod:`~autopar._src.example_mixing`, :mod:`~autopar._src.example_order`,
+:mod:`~autopar._src.region_outputs`) compare the two traces equation by equation: a dim
+``num_microbatches`` times longer at the whole batch is per example. This module pairs the
+equations, finds the per-example dims, and follows the batch's integers.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence, Set
+from typing import Any
+
+import jax
+import numpy as np
+
+from autopar._src import compat, fusion
+from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
+
+
+def twin_equations(mine: Sequence[Any], theirs: Sequence[Any], nmb: int) -> dict[int, Any]:
+    """``id`` of each equation of ``mine`` (traced at one of ``nmb`` microbatches) -> its twin in
+    ``theirs`` (at the whole batch). Where the two differ in more than shapes (a three-operand
+    ``jnp.einsum``, whose contraction order depends on the sizes; a Python loop over chunks of
+    the batch), the longest runs of alike equations are paired, each pair's values alike but for
+    dims ``nmb`` times longer, and the others have no twin: the checks pass over them."""
+
+    def key(e: Any) -> tuple[str, int, int]:
+        return e.primitive.name, len(e.invars), len(e.outvars)
+
+    a, b = [key(e) for e in mine], [key(e) for e in theirs]
+    if a == b:
+        return dict(zip(map(id, mine), theirs, strict=True))
+    blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
+    pairs = ((mine[m.a + k], theirs[m.b + k]) for m in blocks for k in range(m.size))
+    return {id(q): r for q, r in pairs if _alike(q, r, nmb)}
+
+
+def _alike(q: Any, r: Any, nmb: int) -> bool:
+    for v, w in zip([*q.invars, *q.outvars], [*r.invars, *r.outvars], strict=True):
+        x, y = shape_of(v), shape_of(w)
+        if len(x) != len(y) or any(i != j and i * nmb != j for i, j in zip(x, y, strict=True)):
+            return False
+    return True
+
+
+def feeding_outputs(jaxpr: Any, statistics: Set[Any] = frozenset()) -> set[int]:
+    """The ids of the equations of ``jaxpr`` that its outputs are made from, but for what only
+    makes ``statistics``."""
+    needed = {v for v in jaxpr.outvars if not compat.is_literal(v)} - set(statistics)
+    used = set()
+    for e in reversed(jaxpr.eqns):
+        if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
+            used.add(id(e))
+            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in statistics)
+    return used
+
+
+KEEPING_PRIMITIVES = ELEMENTWISE_PRIMITIVES | fusion.LAYOUT_PRIMITIVES | {"broadcast_in_dim"}
+"""Primitives that keep a fill the same along the batch, and an index what it numbers."""
+
+
+def read_from_the_batch(eqns: Sequence[Any], seeds: Set[Any]) -> frozenset[Any]:
+    """The integers ``eqns`` make from ``seeds`` (the batch's integer leaves) by elementwise and
+    layout equations alone, through calls too: ``jnp``'s wrapping of negative indices, ``[:,
+    None]``. Indices among them are positions the data pipeline numbered over the whole batch (a
+    partner example's row); mixed with an ``iota`` along the batch (``jnp.arange(n)[:, None] * T
+    + positions``) or computed from the examples' values they are the microbatch's own."""
+    found = set(seeds)
+    for e in eqns:
+        operands = [a for a in e.invars if not compat.is_literal(a)]
+        if not operands or not all(a in found for a in operands):
+            continue
+        body = compat.operand_body(e)
+        if body is not None:
+            inner = read_from_the_batch(
+                body.eqns, {v for a, v in zip(e.invars, body.invars, strict=True) if a in found}
+            )
+            found.update(v for b, v in zip(body.outvars, e.outvars, strict=True) if b in inner)
+        elif e.primitive.name in KEEPING_PRIMITIVES:
+            found.update(v for v in e.outvars if whole_number(v))
+    return frozenset(found)
+
+
+def whole_number(v: Any) -> bool:
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    return dtype is not None and (
+        jax.dtypes.issubdtype(dtype, np.integer) or jax.dtypes.issubdtype(dtype, np.bool_)
+    )
+
+
+def shape_of(v: Any) -> tuple[int, ...]:
+    return tuple(getattr(v.aval, "shape", ()))
+
+
+def per_example_dims(v: Any, w: Any, nmb: int) -> set[int]:
+    """The dims of ``v`` that are ``nmb`` times longer in ``w``, its whole batch's twin."""
+    a, b = shape_of(v), shape_of(w)
+    if len(a) != len(b):
+        return set()
+    return {d for d, (x, y) in enumerate(zip(a, b, strict=True)) if x != y and x * nmb == y}
