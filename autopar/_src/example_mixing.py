@@ -158,9 +158,9 @@ def _mixing(
     whole batch), or None. ``within`` the loss function, reductions over the examples, pairs of
     them and sorts are left to other checks. ``indices`` tells a gather's or scatter's
     per-example indices that pick each example's own rows from those that pick by place (None,
-    inside a body: all are taken as each example's own). Inside a loop or a ``cond``
-    (``looped``), what picks by an index is not checked: a loop over the batch's rows picks its
-    row by the loop's counter."""
+    inside a body: all are taken as each example's own). Inside a loop's body (``looped``), what
+    picks by an index is checked only for indices read from the batch: a loop over the batch's
+    rows picks its row by the loop's counter."""
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
         inside = None if indices is None else indices.into(e.invars, body)
