@@ -28,7 +28,6 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence, Set
 from typing import Any
 
-import jax
 import numpy as np
 
 from autopar._src import compat, layers, twin_traces
@@ -411,13 +410,11 @@ def _value_operands(e: Any) -> range | tuple[int, ...]:
 
 
 def _float(v: Any) -> bool:
-    dtype = getattr(getattr(v, "aval", None), "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, np.floating)
+    return twin_traces.of_kind(v, np.floating)
 
 
 def _integer(v: Any) -> bool:
-    dtype = getattr(getattr(v, "aval", None), "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, np.integer)
+    return twin_traces.of_kind(v, np.integer)
 
 
 def require_batch_order_in_loss(

@@ -83,11 +83,14 @@ def read_from_the_batch(eqns: Sequence[Any], seeds: Set[Any]) -> frozenset[Any]:
     return frozenset(found)
 
 
-def whole_number(v: Any) -> bool:
+def of_kind(v: Any, *kinds: Any) -> bool:
+    """Whether ``v``'s dtype is of one of ``kinds`` (``np.integer``, ``np.floating``, ...)."""
     dtype = getattr(getattr(v, "aval", None), "dtype", None)
-    return dtype is not None and (
-        jax.dtypes.issubdtype(dtype, np.integer) or jax.dtypes.issubdtype(dtype, np.bool_)
-    )
+    return dtype is not None and any(jax.dtypes.issubdtype(dtype, k) for k in kinds)
+
+
+def whole_number(v: Any) -> bool:
+    return of_kind(v, np.integer, np.bool_)
 
 
 def shape_of(v: Any) -> tuple[int, ...]:
