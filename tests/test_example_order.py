@@ -82,6 +82,25 @@ def _copies_by_token(z):
     return jnp.zeros_like(z).at[token].add(0.5 * jnp.tanh(z[token]))
 
 
+def _copies_by_tile(z):
+    """Each row's two copies laid out as ``[z, z]``, numbered by ``jnp.tile(jnp.arange(n), 2)``."""
+    copies = jnp.concatenate([jnp.argmax(z[:, :4], -1), jnp.argmin(z[:, :4], -1)])
+    token = jnp.tile(jnp.arange(z.shape[0]), 2)[jnp.argsort(copies)]
+    return jnp.zeros_like(z).at[token].add(0.5 * jnp.tanh(z[token]))
+
+
+def _sorted_by_label_step(state, batch):
+    """Logits and labels sorted alike, by label, for optax's integer-label cross-entropy."""
+
+    def loss_fn(p):
+        order = jnp.argsort(batch["y"])
+        logits = state.apply_fn({"params": p}, batch["x"])[order]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"][order]).mean()
+
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
 # A three-operand einsum contracts in an order that depends on the sizes: the two traces differ
 # there, and are compared around it.
 _A = jax.random.normal(jax.random.key(2), (10, 8)) * 0.3
@@ -98,6 +117,8 @@ def _einsum3(z):
         _step(on_logits=_top2_dropless),
         _step(on_logits=_inverse_by_scatter),
         _step(on_logits=_copies_by_token),
+        _step(on_logits=_copies_by_tile),
+        _sorted_by_label_step,
         _step(on_logits=lambda z: _scattered_back(_einsum3(z))),
         _step(on_logits=_scattered_back),
         _step(on_logits=_gathered_back),
@@ -113,6 +134,8 @@ def _einsum3(z):
         "top2-dropless",
         "inverse-by-scatter",
         "copies-by-token",
+        "copies-by-tile",
+        "sorted-by-label",
         "scattered-back-after-einsum3",
         "scattered-back",
         "gathered-by-the-inverse",
@@ -166,6 +189,13 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
             ),
             "gather|scatter",
         ),
+        # Rows by the permutation's remainders: not a permutation.
+        (
+            _step(
+                on_logits=lambda z: (lambda o: jnp.zeros_like(z).at[o].set(z[o % 2]))(jnp.argsort(z[:, 0]))
+            ),
+            "gather",
+        ),
         # Rows put back by another sort's permutation.
         (
             _step(
@@ -183,6 +213,7 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
         "argsort-gather-after-einsum3",
         "weight-per-rank",
         "shifted-permutation",
+        "remainders",
         "another-sorts-order",
     ],
 )
@@ -192,6 +223,33 @@ def test_sorted_rows_meeting_another_order_are_an_error_with_microbatches(step, 
         ValueError,
         match=rf"sorts the examples \(at .*test_example_order.*sort\[.*combines them.*({meets})"
         r".*num_microbatches=1",
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
+def _by_half_positions(z):
+    order = jnp.argsort(z[:, 0])
+    return jnp.zeros_like(z).at[order].set(jnp.tanh(z[order // 2]))
+
+
+def _back_by_half_positions(z):
+    order = jnp.argsort(z[:, 0])
+    return jnp.tanh(z[order])[jnp.argsort(order) // 2]
+
+
+@pytest.mark.parametrize(
+    "on_logits", [_by_half_positions, _back_by_half_positions], ids=["half", "back-half"]
+)
+def test_positions_of_a_sort_picking_rows_they_do_not_number_are_an_error_with_microbatches(on_logits):
+    """``order // 2`` numbers the rows of an array half the sort's length (a token's two
+    copies): on the sorted array itself it picks by place."""
+    state, batches = _setup()
+    step = _step(on_logits=on_logits)
+    with pytest.raises(
+        ValueError,
+        match=r"sorts the examples \(at .*test_example_order.*sort\[.*picks the rows of another array by "
+        r"its positions \(at .*gather.*: 4 rows, where the positions number 2\).*num_microbatches=1",
     ):
         autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)

@@ -755,6 +755,12 @@ def _with_partners(batch, seed=0):
         (lambda x, partner: jax.lax.fori_loop(0, 1, lambda i, c: 0.5 * (c + c[partner]), x), None),
         # after a three-operand einsum, whose contraction order differs between the traces
         (None, lambda z, partner: jnp.einsum("nd,de,ef->nf", z, jnp.eye(10), jnp.eye(10)) + z[partner]),
+        # a partner or the example itself, chosen by jnp.where
+        (None, lambda z, partner: 0.5 * (z + z[jnp.where(partner >= 0, partner, jnp.arange(z.shape[0]))])),
+        (lambda x, partner: 0.5 * (x + x[jnp.where(partner >= 0, partner, jnp.arange(x.shape[0]))]), None),
+        # the partner by a one-hot matmul
+        (None, lambda z, partner: 0.5 * (z + jax.nn.one_hot(partner, z.shape[0]) @ z)),
+        (lambda x, partner: 0.5 * (x + jax.nn.one_hot(partner, x.shape[0]) @ x), None),
     ],
     ids=[
         "in-loss",
@@ -764,6 +770,10 @@ def _with_partners(batch, seed=0):
         "in-cond",
         "in-loop-before",
         "after-einsum3",
+        "where-in-loss",
+        "where-before",
+        "one-hot-in-loss",
+        "one-hot-before",
     ],
 )
 def test_rows_picked_by_indices_read_from_the_batch_are_an_error_with_microbatches(before, inside):
@@ -783,7 +793,10 @@ def test_rows_picked_by_indices_read_from_the_batch_are_an_error_with_microbatch
         return state.apply_gradients(grads=grads), loss
 
     _assert_refused_with_microbatches(
-        step, state, batch, r"(takes examples by their place|combines examples) .*read from the batch"
+        step,
+        state,
+        batch,
+        r"((takes examples by their place|combines examples) .*|compares indices )read from the batch",
     )
 
 

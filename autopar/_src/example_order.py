@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import compat, layers, twin_traces
+from autopar._src import compat, fusion, layers, twin_traces
 from autopar._src.trace import TracedStep
 from autopar._src.twin_traces import per_example_dims
 
@@ -42,13 +42,37 @@ ROWS = "rows"
 """An ``iota`` along the examples: the row numbers of whatever order it meets."""
 
 _NAMING = frozenset(
-    {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "add", "sub", "eq", "ne", "copy", "copy_p"}
+    {
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "tile",
+        "add",
+        "sub",
+        "eq",
+        "ne",
+        "copy",
+        "copy_p",
+    }
 )
 """Primitives that keep ``iota``'s row numbers names of the rows (``jax``'s scatter ids, shifted
 by one and compared for equality), integer conversions besides."""
 
 
 _KEEPING = twin_traces.KEEPING_PRIMITIVES
+_RELABELING = fusion.LAYOUT_PRIMITIVES | {
+    "broadcast_in_dim",
+    "transpose",
+    "convert_element_type",
+    "copy",
+    "copy_p",
+}
+"""Primitives that keep a permutation's values: ``order[:, None]``, ``order.astype(jnp.int32)``."""
+_INDEXED = {"gather": "start_index_map", "scatter": "scatter_dims_to_operand_dims"}
+"""The dimension numbers that name the operand's dims a gather's or scatter's indices pick (by
+the primitive's name's first seven letters: ``scatter-add`` and all)."""
+_COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 _DRAWS = ("random_", "threefry")
 """Prefixes of the primitives that draw random values: a dropout mask's rows are not positions."""
 
@@ -59,6 +83,9 @@ class _Perm:
 
     src: Any
     dst: Any
+    rows: int
+    """How many rows in order ``src`` they number, at one microbatch: the sort's, or a ``k``-th
+    of them for ``order // k`` (the row of each of a token's ``k`` copies)."""
 
 
 class _Walk:
@@ -69,6 +96,14 @@ class _Walk:
         self.sorts: dict[int, tuple[Any, str]] = {}  # id(sort equation) -> it and its line
         self.shifted: dict[Any, _Perm] = {}
         """Integers a permutation shifted by a constant: floor division's ``q - 1``."""
+        self.read: set[Any] = set()
+        """Integers read from the batch (:func:`~autopar._src.twin_traces.read_from_the_batch`):
+        they number the whole batch's rows."""
+        self.span: dict[Any, int] = {}
+        """How many rows each ``iota`` along the examples numbers (``jnp.repeat(jnp.arange(n),
+        k)`` numbers ``n``)."""
+        self.consts: dict[Any, Any] = {}
+        """Variables bound to literals: a call's divisor."""
         self.positions: set[Any] = set()
         """Values made from the rows' positions in their microbatch as numbers (ranks, a weight
         per row): each microbatch's differ from the whole batch's."""
@@ -77,6 +112,10 @@ class _Walk:
 
     def of(self, v: Any) -> Any:
         return None if compat.is_literal(v) else self.order.get(v)
+
+    def constant(self, v: Any) -> Any:
+        """``v``'s value where it is a literal or bound to one, else None."""
+        return compat.literal_value(v) if compat.is_literal(v) else self.consts.get(v)
 
     def run(
         self, eqns: Sequence[Any], twins: Sequence[Any] | Mapping[int, Any], used: set[int] | None
@@ -124,11 +163,18 @@ class _Walk:
         ]
         outs = [bool(per_example_dims(v, w, self.nmb)) for v, w in zip(e.outvars, other.outvars, strict=True)]
         name = e.primitive.name
+        if twin_traces.reads_the_batch(e, self.read):
+            self.read.update(v for v in e.outvars if twin_traces.whole_number(v))
+        if name == "convert_element_type" and (k := self.constant(e.invars[0])) is not None:
+            self.consts[e.outvars[0]] = k
+        if name in _COMPARISONS and checked:
+            self._refuse_renumbered(e)
         if name == "iota":
             if outs[0] and e.params["dimension"] in per_example_dims(
                 e.outvars[0], other.outvars[0], self.nmb
             ):
                 self._set(e.outvars[0], ROWS, None)
+                self.span[e.outvars[0]] = twin_traces.shape_of(e.outvars[0])[e.params["dimension"]]
             elif outs[0]:
                 self._set(e.outvars[0], ANY, None)
             return
@@ -146,12 +192,19 @@ class _Walk:
             return
         found = self._common(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked)
         made = not any(ins) and name not in _KEEPING and not name.startswith(_DRAWS)
-        if found == ANY and name not in _KEEPING:
+        if (
+            found == ANY
+            and name not in _KEEPING
+            and not (_INDEXED.get(name[:7]) and not self._along(e, other))
+        ):
             found = BATCH  # made from no example, but maybe not the same along the batch: positions
         naming = name in _NAMING or (name == "convert_element_type" and _integer(e.outvars[0]))
         order = ROWS if found == ROWS and naming else (BATCH if found == ROWS else found)
         perm = self._kept_perm(e, other, ins)
         kept = perm is not None and any(_integer(v) for v in e.outvars)
+        spans = {self.span.get(a) for a in e.invars if self.of(a) == ROWS}
+        if order == ROWS and len(spans) == 1 and None not in spans:
+            self.span.update((v, *spans) for v in e.outvars)
         values = [a for k, a in enumerate(e.invars) if ins[k] and k in _value_operands(e)]
         numbers = [a for a in values if self._numbered(a, naming, kept)]
         if numbers and checked and any(_float(v) for v in e.outvars):
@@ -229,9 +282,16 @@ class _Walk:
         self._enter(outvars, body.outvars)
 
     def _enter(self, into: Sequence[Any], values: Sequence[Any]) -> None:
-        """Gives each variable of ``into`` the order and permutation of its value in ``values``."""
+        """Gives each variable of ``into`` the order, permutation, constant value and whether it
+        is read from the batch of its value in ``values``."""
         for v, a in zip(into, values, strict=True):
             self._set(v, self.of(a), self._perm_of(a))
+            if not compat.is_literal(a) and a in self.span:
+                self.span[v] = self.span[a]
+            if (k := self.constant(a)) is not None:
+                self.consts[v] = k
+            if not compat.is_literal(a) and a in self.read:
+                self.read.add(v)
             if not compat.is_literal(a) and a in self.positions:
                 self.positions.add(v)
 
@@ -265,11 +325,15 @@ class _Walk:
         indices (adding the dim's size: a literal ``num_microbatches`` times larger at the whole
         batch). Another shift (``order + 1``) or a reflection (``n - 1 - order``) is not the
         permutation; floor division's correction of negative quotients (``select_n`` of ``q - 1``
-        and ``q``) keeps it, a permutation having none. Its other per-example integer operands
-        must be that permutation too."""
+        and ``q``) keeps it, a permutation having none. Other arithmetic (``order % 2``) does not;
+        a relabeling keeps it where its other per-example integer operands are that permutation
+        too."""
         name = e.primitive.name
-        if name not in _KEEPING - {"neg"}:
-            return None
+        if name == "div":
+            perm, k = self._perm_of(e.invars[0]), self.constant(e.invars[1])
+            if perm is None or k is None or np.ndim(k) or int(k) <= 0 or perm.rows % int(k):
+                return None
+            return dataclasses.replace(perm, rows=perm.rows // int(k))
         if name in ("add", "sub"):
             perm = self._perm_of(e.invars[0]) or (self._perm_of(e.invars[1]) if name == "add" else None)
             rest = [(a, b) for a, b in zip(e.invars, other.invars, strict=True) if self._perm_of(a) is None]
@@ -291,14 +355,18 @@ class _Walk:
             cases = [a for a in e.invars[1:] if not compat.is_literal(a)]
             perms = {self._perm_of(a) or self.shifted.get(a) for a in cases}
             return perms.pop() if len(perms) == 1 and any(self._perm_of(a) for a in cases) else None
+        if name not in _RELABELING:
+            return None
         perms = {self.perm.get(a) for a, per in zip(e.invars, ins, strict=True) if per and _integer(a)}
         return perms.pop() if len(perms) == 1 else None
 
     def _sort(self, e: Any, checked: bool) -> None:
         keys = e.invars[: e.params.get("num_keys", 1)]
         key_perm = self._perm_of(keys[0]) if len(keys) == 1 else None
+        rows = twin_traces.shape_of(keys[0])[e.params["dimension"]]
         if key_perm is not None and self.of(keys[0]) == key_perm.dst:
-            # Sorting a permutation's positions: the rows go back to the order they name.
+            # Sorting a permutation's positions: the rows go back to the order they name (a
+            # token's k copies side by side, for ``order // k``).
             src, dst = key_perm.dst, key_perm.src
         else:
             src = self._common(e, [a for a in e.invars if self.of(a) != ROWS], checked)
@@ -306,18 +374,25 @@ class _Walk:
             dst = id(e)
             self.sorts[dst] = (e, self.line(e))
         for a, v in zip(e.invars, e.outvars, strict=True):
-            self._set(v, dst, _Perm(src, dst) if self.of(a) == ROWS else None)
+            self._set(v, dst, _Perm(src, dst, rows) if self.of(a) == ROWS else None)
+
+    def _along(self, e: Any, other: Any) -> set[int]:
+        """The per-example dims of a gather's or scatter's operand that its indices pick."""
+        picked = getattr(e.params["dimension_numbers"], _INDEXED[e.primitive.name[:7]])
+        return per_example_dims(e.invars[0], other.invars[0], self.nmb) & set(picked)
 
     def _gather(self, e: Any, other: Any, checked: bool) -> bool:
         """A gather of the rows of one order by a permutation of them."""
         operand, idx = e.invars[0], e.invars[1]
-        perm = self._perm_of(idx)
-        numbers = e.params["dimension_numbers"]
-        along = per_example_dims(operand, other.invars[0], self.nmb) & set(numbers.start_index_map)
+        perm, along = self._perm_of(idx), self._along(e, other)
         if perm is None or not along:
             return False
+        if checked:
+            self._require_rows(e, operand, along, perm)
         if self.of(operand) == ROWS:  # ``jnp.arange(n)[order]``: the permutation itself
-            self._set(e.outvars[0], perm.dst, perm if _integer(e.outvars[0]) else None)
+            rows = self.span.get(operand, perm.rows)  # ``jnp.repeat(jnp.arange(n), k)[order]``
+            kept = dataclasses.replace(perm, rows=rows)
+            self._set(e.outvars[0], perm.dst, kept if _integer(e.outvars[0]) else None)
             return True
         if self.of(operand) not in (perm.src, ANY, None) and checked:
             self._refuse(e, {self.of(operand), perm.src})
@@ -327,21 +402,48 @@ class _Walk:
     def _scatter(self, e: Any, other: Any, checked: bool) -> bool:
         """Rows in a permutation's order written back to the order it gathers from."""
         operand, idx, updates = e.invars[0], e.invars[1], e.invars[2]
-        perm = self._perm_of(idx)
-        numbers = e.params["dimension_numbers"]
-        along = per_example_dims(operand, other.invars[0], self.nmb) & set(
-            numbers.scatter_dims_to_operand_dims
-        )
+        perm, along = self._perm_of(idx), self._along(e, other)
         if perm is None or not along:
             return False
         if checked:
+            self._require_rows(e, operand, along, perm)
             for a, want in ((operand, perm.src), (updates, perm.dst)):
                 if self.of(a) not in (want, ANY, ROWS, None):
                     self._refuse(e, {self.of(a), want})
         # ``zeros.at[order].set(jnp.arange(n))``: the inverse permutation.
-        inverse = _Perm(perm.dst, perm.src) if self.of(updates) == ROWS and _integer(e.outvars[0]) else None
+        inverse = (
+            _Perm(perm.dst, perm.src, twin_traces.shape_of(idx)[0])
+            if self.of(updates) == ROWS and _integer(e.outvars[0])
+            else None
+        )
         self._set(e.outvars[0], perm.src, inverse)
         return True
+
+    def _require_rows(self, e: Any, operand: Any, along: Set[int], perm: _Perm) -> None:
+        """Raises where ``e`` gathers or scatters the rows of ``operand`` by a permutation of
+        another count of rows (``z[order // 2]`` for a sort of ``z``'s rows)."""
+        rows = [twin_traces.shape_of(operand)[d] for d in along]
+        if rows == [perm.rows] or len(rows) != 1:
+            return
+        self._refuse_sorted(
+            perm,
+            f"picks the rows of another array by its positions (at {self.line(e)}: "
+            f"{str(e).splitlines()[0]!r}: {rows[0]} rows, where the positions number {perm.rows})",
+        )
+
+    def _refuse_renumbered(self, e: Any) -> None:
+        """Raises where ``e`` compares integers read from the batch with the rows' numbers."""
+        operands = [a for a in e.invars if not compat.is_literal(a)]
+        if not any(self.of(a) == ROWS for a in operands) or not any(a in self.read for a in operands):
+            return
+        raise ValueError(
+            f"The loss function compares indices read from the batch with the rows' numbers (at "
+            f"{self.line(e)}: {str(e).splitlines()[0]!r}), as a one-hot of partner rows "
+            "(`jax.nn.one_hot(batch['partner'], n)`) does: the indices number the whole batch's "
+            f"rows, while with num_microbatches={self.nmb} each microbatch numbers its own from 0, "
+            "so the loss and its gradients would not be the whole batch's. Do it in the data "
+            "pipeline, or use num_microbatches=1."
+        )
 
     def _refuse(self, e: Any, orders: set[Any]) -> None:
         sorts = [self.sorts[o] for o in sorted(orders, key=str) if o in self.sorts]
@@ -362,6 +464,16 @@ class _Walk:
             "batch's. Put the rows back in the batch's order first (scatter them back, "
             "`zeros.at[order].set(y)`, or gather by the inverse permutation), or use "
             "num_microbatches=1."
+        )
+
+    def _refuse_sorted(self, perm: _Perm, what: str) -> None:
+        sort, where = next(self.sorts[o] for o in (perm.dst, perm.src) if o in self.sorts)
+        raise ValueError(
+            f"The loss function sorts the examples (at {where}: {str(sort).splitlines()[0]!r}) and "
+            f"{what}. With microbatches each sorts only its own examples, so neither the loss nor "
+            "its gradients would be the whole batch's. Gather and scatter by the positions the "
+            "rows they number (`y[order]`, `zeros.at[order].set(y)`; `order // k` for rows "
+            "repeated k times), or use num_microbatches=1."
         )
 
     def _refuse_positions(self, e: Any) -> None:
@@ -434,6 +546,8 @@ def require_batch_order_in_loss(
     for v, w in zip(rj.invars, rw.invars, strict=True):
         if per_example_dims(v, w, nmb):
             walk.order[v] = BATCH
+            if twin_traces.whole_number(v):
+                walk.read.add(v)
     twins = twin_traces.twin_equations(rj.eqns, rw.eqns, nmb)
     walk.run(rj.eqns, twins, twin_traces.feeding_outputs(rj, statistics))
     walk.refuse_outputs(rj.outvars, rw.outvars)

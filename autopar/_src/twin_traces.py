@@ -64,23 +64,36 @@ KEEPING_PRIMITIVES = ELEMENTWISE_PRIMITIVES | fusion.LAYOUT_PRIMITIVES | {"broad
 def read_from_the_batch(eqns: Sequence[Any], seeds: Set[Any]) -> frozenset[Any]:
     """The integers ``eqns`` make from ``seeds`` (the batch's integer leaves) by elementwise and
     layout equations alone, through calls too: ``jnp``'s wrapping of negative indices, ``[:,
-    None]``. Indices among them are positions the data pipeline numbered over the whole batch (a
-    partner example's row); mixed with an ``iota`` along the batch (``jnp.arange(n)[:, None] * T
-    + positions``) or computed from the examples' values they are the microbatch's own."""
+    None]``, a choice between them and others (``jnp.where(p >= 0, p, jnp.arange(n))``). Indices
+    among them are positions the data pipeline numbered over the whole batch (a partner
+    example's row); mixed with an ``iota`` along the batch (``jnp.arange(n)[:, None] * T +
+    positions``) or computed from the examples' values they are the microbatch's own."""
     found = set(seeds)
     for e in eqns:
         operands = [a for a in e.invars if not compat.is_literal(a)]
-        if not operands or not all(a in found for a in operands):
-            continue
         body = compat.operand_body(e)
-        if body is not None:
+        if body is not None and any(a in found for a in operands):
             inner = read_from_the_batch(
                 body.eqns, {v for a, v in zip(e.invars, body.invars, strict=True) if a in found}
             )
             found.update(v for b, v in zip(body.outvars, e.outvars, strict=True) if b in inner)
-        elif e.primitive.name in KEEPING_PRIMITIVES:
+        elif body is None and reads_the_batch(e, found):
             found.update(v for v in e.outvars if whole_number(v))
     return frozenset(found)
+
+
+_CHOICES = {"select_n": slice(1, None), "max": slice(None), "min": slice(None), "clamp": slice(1, 2)}
+"""Primitives whose result is one of some operands' values, and which operands those are."""
+
+
+def reads_the_batch(e: Any, found: Set[Any]) -> bool:
+    """Whether ``e``'s integer results are read from the batch, ``found`` being what is: made from
+    it alone by an elementwise or layout equation, or chosen among its values and others."""
+    name = e.primitive.name
+    operands = [a for a in e.invars if not compat.is_literal(a)]
+    if name in _CHOICES and any(not compat.is_literal(a) and a in found for a in e.invars[_CHOICES[name]]):
+        return True
+    return bool(operands) and name in KEEPING_PRIMITIVES and all(a in found for a in operands)
 
 
 def of_kind(v: Any, *kinds: Any) -> bool:
