@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import compat, fusion, layers, twin_traces
+from autopar._src import compat, fusion, layers, order_errors, twin_traces
 from autopar._src.trace import TracedStep
 from autopar._src.twin_traces import per_example_dims
 
@@ -210,7 +210,7 @@ class _Walk:
         if numbers and checked and any(_float(v) for v in e.outvars):
             data = [a for a in values if a not in numbers and self.of(a) not in (None, ANY, ROWS)]
             if data:
-                self._refuse_positions(e)
+                raise order_errors.positions(e, self.line(e))
         for v, per in zip(e.outvars, outs, strict=True):
             if per:
                 self._set(v, order, perm if _integer(v) else None)
@@ -423,90 +423,28 @@ class _Walk:
         """Raises where ``e`` gathers or scatters the rows of ``operand`` by a permutation of
         another count of rows (``z[order // 2]`` for a sort of ``z``'s rows)."""
         rows = [twin_traces.shape_of(operand)[d] for d in along]
-        if rows == [perm.rows] or len(rows) != 1:
-            return
-        self._refuse_sorted(
-            perm,
-            f"picks the rows of another array by its positions (at {self.line(e)}: "
-            f"{str(e).splitlines()[0]!r}: {rows[0]} rows, where the positions number {perm.rows})",
-        )
+        if rows != [perm.rows] and len(rows) == 1:
+            sort = next(self.sorts[o] for o in (perm.dst, perm.src) if o in self.sorts)
+            raise order_errors.rows_not_numbered(e, self.line(e), sort, rows[0], perm.rows)
 
     def _refuse_renumbered(self, e: Any) -> None:
         """Raises where ``e`` compares integers read from the batch with the rows' numbers."""
         operands = [a for a in e.invars if not compat.is_literal(a)]
-        if not any(self.of(a) == ROWS for a in operands) or not any(a in self.read for a in operands):
-            return
-        raise ValueError(
-            f"The loss function compares indices read from the batch with the rows' numbers (at "
-            f"{self.line(e)}: {str(e).splitlines()[0]!r}), as a one-hot of partner rows "
-            "(`jax.nn.one_hot(batch['partner'], n)`) does: the indices number the whole batch's "
-            f"rows, while with num_microbatches={self.nmb} each microbatch numbers its own from 0, "
-            "so the loss and its gradients would not be the whole batch's. Do it in the data "
-            "pipeline, or use num_microbatches=1."
-        )
+        if any(self.of(a) == ROWS for a in operands) and any(a in self.read for a in operands):
+            raise order_errors.renumbered(e, self.line(e), self.nmb)
 
     def _refuse(self, e: Any, orders: set[Any]) -> None:
         sorts = [self.sorts[o] for o in sorted(orders, key=str) if o in self.sorts]
-        if not sorts:
-            raise ValueError(
-                f"The loss function combines rows of the batch with their positions (at {self.line(e)}: "
-                f"{str(e).splitlines()[0]!r}). With microbatches each numbers only its own rows, so "
-                "neither the loss nor its gradients would be the whole batch's. Use "
-                "num_microbatches=1."
-            )
-        sort, where = sorts[0]
-        raise ValueError(
-            f"The loss function sorts the examples (at {where}: "
-            f"{str(sort).splitlines()[0]!r}) and then combines them, in that order, with what is "
-            f"in another (at {self.line(e)}: {str(e).splitlines()[0]!r}: the batch's order, "
-            "positions such as a weight per rank, or another sort's). With microbatches each "
-            "sorts only its own examples, so neither the loss nor its gradients would be the whole "
-            "batch's. Put the rows back in the batch's order first (scatter them back, "
-            "`zeros.at[order].set(y)`, or gather by the inverse permutation), or use "
-            "num_microbatches=1."
-        )
-
-    def _refuse_sorted(self, perm: _Perm, what: str) -> None:
-        sort, where = next(self.sorts[o] for o in (perm.dst, perm.src) if o in self.sorts)
-        raise ValueError(
-            f"The loss function sorts the examples (at {where}: {str(sort).splitlines()[0]!r}) and "
-            f"{what}. With microbatches each sorts only its own examples, so neither the loss nor "
-            "its gradients would be the whole batch's. Gather and scatter by the positions the "
-            "rows they number (`y[order]`, `zeros.at[order].set(y)`; `order // k` for rows "
-            "repeated k times), or use num_microbatches=1."
-        )
-
-    def _refuse_positions(self, e: Any) -> None:
-        raise ValueError(
-            f"The loss function combines the examples with their positions in the batch (at "
-            f"{self.line(e)}: {str(e).splitlines()[0]!r}): a weight per row "
-            "(`jnp.linspace(a, b, n)`), ranks (a double argsort). With microbatches each numbers "
-            "only its own rows, so neither the loss nor its gradients would be the whole batch's. "
-            "Compute them in the data pipeline and pass them in the batch, or use num_microbatches=1."
-        )
+        raise order_errors.mixed_orders(e, self.line(e), sorts[0] if sorts else None)
 
     def refuse_outputs(self, outvars: Sequence[Any], twins: Sequence[Any]) -> None:
         for i, (v, w) in enumerate(zip(outvars, twins, strict=True)):
-            if compat.is_literal(v):
+            if compat.is_literal(v) or not per_example_dims(v, w, self.nmb):
                 continue
-            numbered = v in self.positions or self.perm.get(v) is not None or self.of(v) == ROWS
-            if numbered and per_example_dims(v, w, self.nmb):
-                raise ValueError(
-                    f"Aux output {i - 1} of the loss function holds the rows' positions in their "
-                    "microbatch (ranks, say): each microbatch numbers only its own rows, so the "
-                    "concatenated values would not be the whole batch's. Compute them after the "
-                    "step, or use num_microbatches=1."
-                )
-            order = self.of(v)
-            if order in self.sorts and per_example_dims(v, w, self.nmb):
-                sort, where = self.sorts[order]
-                raise ValueError(
-                    f"Aux output {i - 1} of the loss function holds a value per example in the order of a "
-                    f"sort (at {where}: {str(sort).splitlines()[0]!r}): with "
-                    "microbatches each sorts only its own examples, so the concatenated rows "
-                    "would not be the whole batch's. Return them in the batch's order or use "
-                    "num_microbatches=1."
-                )
+            if v in self.positions or self.perm.get(v) is not None or self.of(v) == ROWS:
+                raise order_errors.positions_returned(i - 1)
+            if self.of(v) in self.sorts:
+                raise order_errors.sorted_returned(i - 1, self.sorts[self.of(v)])
 
 
 def _value_operands(e: Any) -> range | tuple[int, ...]:

@@ -1,0 +1,87 @@
+"""What :mod:`~autopar._src.example_order` says when it refuses a loss function with microbatches.
+
+Each error names the equation and its source line (``at``), the sort whose order it breaks where
+there is one (``sort``: the sort equation and its line), and what to do instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Sort = tuple[Any, str]
+"""A sort equation and its source line."""
+
+
+def _first(e: Any) -> str:
+    return repr(str(e).splitlines()[0])
+
+
+def mixed_orders(e: Any, at: str, sort: Sort | None) -> ValueError:
+    """``e`` combines rows in a sort's order (or numbered by position) with rows in another."""
+    if sort is None:
+        return ValueError(
+            f"The loss function combines rows of the batch with their positions (at {at}: "
+            f"{_first(e)}). With microbatches each numbers only its own rows, so neither the loss "
+            "nor its gradients would be the whole batch's. Use num_microbatches=1."
+        )
+    return ValueError(
+        f"The loss function sorts the examples (at {sort[1]}: {_first(sort[0])}) and then combines "
+        f"them, in that order, with what is in another (at {at}: {_first(e)}: the batch's order, "
+        "positions such as a weight per rank, or another sort's). With microbatches each sorts only "
+        "its own examples, so neither the loss nor its gradients would be the whole batch's. Put "
+        "the rows back in the batch's order first (scatter them back, `zeros.at[order].set(y)`, or "
+        "gather by the inverse permutation), or use num_microbatches=1."
+    )
+
+
+def rows_not_numbered(e: Any, at: str, sort: Sort, rows: int, numbered: int) -> ValueError:
+    """``e`` picks ``rows`` rows by a sort's positions, which number ``numbered``."""
+    return ValueError(
+        f"The loss function sorts the examples (at {sort[1]}: {_first(sort[0])}) and picks the rows "
+        f"of another array by its positions (at {at}: {_first(e)}: {rows} rows, where the "
+        f"positions number {numbered}). With microbatches each sorts only its own examples, so "
+        "neither the loss nor its gradients would be the whole batch's. Gather and scatter by the "
+        "positions the rows they number (`y[order]`, `zeros.at[order].set(y)`; `order // k` for "
+        "rows repeated k times), or use num_microbatches=1."
+    )
+
+
+def renumbered(e: Any, at: str, nmb: int) -> ValueError:
+    """``e`` compares integers read from the batch with the rows' numbers."""
+    return ValueError(
+        f"The loss function compares indices read from the batch with the rows' numbers (at {at}: "
+        f"{_first(e)}), as a one-hot of partner rows (`jax.nn.one_hot(batch['partner'], n)`) "
+        f"does: the indices number the whole batch's rows, while with num_microbatches={nmb} each "
+        "microbatch numbers its own from 0, so the loss and its gradients would not be the whole "
+        "batch's. Do it in the data pipeline, or use num_microbatches=1."
+    )
+
+
+def positions(e: Any, at: str) -> ValueError:
+    """``e`` reads the rows' positions as numbers (a weight per row, ranks) with the examples."""
+    return ValueError(
+        f"The loss function combines the examples with their positions in the batch (at {at}: "
+        f"{_first(e)}): a weight per row (`jnp.linspace(a, b, n)`), ranks (a double argsort). With "
+        "microbatches each numbers only its own rows, so neither the loss nor its gradients would "
+        "be the whole batch's. Compute them in the data pipeline and pass them in the batch, or use "
+        "num_microbatches=1."
+    )
+
+
+def positions_returned(aux: int) -> ValueError:
+    """Aux output ``aux`` holds the rows' positions in their microbatch."""
+    return ValueError(
+        f"Aux output {aux} of the loss function holds the rows' positions in their microbatch "
+        "(ranks, say): each microbatch numbers only its own rows, so the concatenated values would "
+        "not be the whole batch's. Compute them after the step, or use num_microbatches=1."
+    )
+
+
+def sorted_returned(aux: int, sort: Sort) -> ValueError:
+    """Aux output ``aux`` holds a value per example in ``sort``'s order."""
+    return ValueError(
+        f"Aux output {aux} of the loss function holds a value per example in the order of a sort "
+        f"(at {sort[1]}: {_first(sort[0])}): with microbatches each sorts only its own examples, so "
+        "the concatenated rows would not be the whole batch's. Return them in the batch's order or "
+        "use num_microbatches=1."
+    )
