@@ -89,6 +89,14 @@ def _copies_by_tile(z):
     return jnp.zeros_like(z).at[token].add(0.5 * jnp.tanh(z[token]))
 
 
+def _scaled_by_the_sorted_expert(z):
+    """Rows sorted by expert, each scaled by its expert's number gathered alike (an integer,
+    the index's wrapping a literal the batch's size)."""
+    expert = jnp.argmax(z[:, :4], -1)
+    order = jnp.argsort(expert)
+    return jnp.zeros_like(z).at[order].set(jnp.tanh(z[order]) * (expert[order] + 1)[:, None])
+
+
 def _sorted_by_label_step(state, batch):
     """Logits and labels sorted alike, by label, for optax's integer-label cross-entropy."""
 
@@ -119,6 +127,7 @@ def _einsum3(z):
         _step(on_logits=_copies_by_token),
         _step(on_logits=_copies_by_tile),
         _sorted_by_label_step,
+        _step(on_logits=_scaled_by_the_sorted_expert),
         _step(on_logits=lambda z: _scattered_back(_einsum3(z))),
         _step(on_logits=_scattered_back),
         _step(on_logits=_gathered_back),
@@ -136,6 +145,7 @@ def _einsum3(z):
         "copies-by-token",
         "copies-by-tile",
         "sorted-by-label",
+        "scaled-by-the-sorted-expert",
         "scattered-back-after-einsum3",
         "scattered-back",
         "gathered-by-the-inverse",

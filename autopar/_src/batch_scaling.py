@@ -26,6 +26,13 @@ _SUMS = frozenset({"reduce_sum", "dot_general", "scatter-add"})
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 """Besides nested ``jit``s and checkpoints, the equations whose body takes their operands and
 gives their results one for one."""
+_PLACING = {
+    "gather": (1, 2),
+    "scatter": (1, 2),
+    "dynamic_slice": (1, None),
+    "dynamic_update_slice": (2, None),
+}
+"""The operands, by position, that place a gather's, scatter's (any) or dynamic slice's results."""
 _PICKS = frozenset({"dynamic_slice", "gather"})
 """Inside a loop over the examples, these read the iteration's example."""
 
@@ -382,13 +389,19 @@ def _is_int(var: Any) -> bool:
 
 
 def _is_index(e: Any, operand: Any) -> bool:
-    """Whether ``operand`` of ``e`` is an index or a count that places its float results (a
-    gather's indices, ``ragged_dot``'s group sizes, a dynamic slice's start) rather than scales
-    them: an integer operand of an equation with float results that does not convert it."""
+    """Whether ``operand`` of ``e`` is an index or a count that places its results (a gather's
+    or scatter's indices, a dynamic slice's start, whatever its results' type; ``ragged_dot``'s
+    group sizes) rather than scales them: an integer operand of an equation with float results
+    that does not convert it."""
+    if compat.is_literal(operand):
+        return False
+    name = e.primitive.name
+    placing = _PLACING.get("scatter" if name.startswith("scatter") else name)
+    if placing is not None and any(a is operand for a in e.invars[slice(*placing)]):
+        return True
     return (
-        not compat.is_literal(operand)
-        and (_is_int(operand) or operand.aval.dtype == jnp.bool_)
-        and e.primitive.name != "convert_element_type"
+        (_is_int(operand) or operand.aval.dtype == jnp.bool_)
+        and name != "convert_element_type"
         and any(is_float(v) for v in e.outvars)
     )
 
