@@ -294,3 +294,39 @@ def test_positions_in_the_batch_read_as_numbers_are_an_error_with_microbatches(s
     with pytest.raises(ValueError, match=r"positions in (the batch|their microbatch)"):
         autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
+def _losses_by_a_python_loop(state, batch):
+    def loss_fn(p):
+        logits = state.apply_fn({"params": p}, batch["x"])
+        ce = optax.softmax_cross_entropy_with_integer_labels
+        return jnp.stack([ce(z, y) for z, y in zip(logits, batch["y"], strict=True)]).mean()
+
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def _losses_by_vmap(state, batch):
+    def loss_fn(p):
+        logits = state.apply_fn({"params": p}, batch["x"])
+        return jax.vmap(optax.softmax_cross_entropy_with_integer_labels)(logits, batch["y"]).mean()
+
+    loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def test_a_python_loop_over_the_rows_in_the_loss_function_is_an_error_that_names_vmap():
+    """The loop makes one equation per row: the traces at one microbatch and at the whole batch
+    differ there, and what it places by position cannot be told from a roll. The same with
+    jax.vmap is one equation for all rows, and equals jit."""
+    state, batches = _setup()
+    with pytest.raises(
+        ValueError,
+        match=r"places rows by their position in the batch \(at .*test_example_order.*pad\[.*Python "
+        r"loop over the rows.*jax.vmap, or use num_microbatches=1",
+    ):
+        autopar.autoparallel(_losses_by_a_python_loop, num_stages=2, num_microbatches=4)(state, batches[0])
+    assert_same_as_jit(
+        _losses_by_a_python_loop, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1
+    )
+    assert_same_as_jit(_losses_by_vmap, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)

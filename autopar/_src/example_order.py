@@ -72,6 +72,8 @@ _RELABELING = fusion.LAYOUT_PRIMITIVES | {
 _INDEXED = {"gather": "start_index_map", "scatter": "scatter_dims_to_operand_dims"}
 """The dimension numbers that name the operand's dims a gather's or scatter's indices pick (by
 the primitive's name's first seven letters: ``scatter-add`` and all)."""
+_PLACING = frozenset({"pad", "dynamic_update_slice", "concatenate"})
+"""Primitives that place rows by their position along the batch, from values with none."""
 _COMPARISONS = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 _DRAWS = ("random_", "threefry")
 """Prefixes of the primitives that draw random values: a dropout mask's rows are not positions."""
@@ -107,6 +109,12 @@ class _Walk:
         self.positions: set[Any] = set()
         """Values made from the rows' positions in their microbatch as numbers (ranks, a weight
         per row): each microbatch's differ from the whole batch's."""
+        self.differ = False
+        """Whether the two traces differ beyond shapes, paired around the differences."""
+        self.placed: Any = None
+        """The first equation that places rows by their position along the batch (a slice's
+        transpose, a ``pad``) where the two traces are paired around differences: a Python loop
+        over the rows makes one per row."""
         self.outer = "a line JAX did not record"
         """The line of the innermost loop or call being walked, for equations without their own."""
 
@@ -192,6 +200,8 @@ class _Walk:
             return
         found = self._common(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked)
         made = not any(ins) and name not in _KEEPING and not name.startswith(_DRAWS)
+        if made and name in _PLACING and self.differ and self.placed is None and any(outs):
+            self.placed = e
         if (
             found == ANY
             and name not in _KEEPING
@@ -210,7 +220,7 @@ class _Walk:
         if numbers and checked and any(_float(v) for v in e.outvars):
             data = [a for a in values if a not in numbers and self.of(a) not in (None, ANY, ROWS)]
             if data:
-                raise order_errors.positions(e, self.line(e))
+                raise self._positions(e)
         for v, per in zip(e.outvars, outs, strict=True):
             if per:
                 self._set(v, order, perm if _integer(v) else None)
@@ -435,7 +445,15 @@ class _Walk:
 
     def _refuse(self, e: Any, orders: set[Any]) -> None:
         sorts = [self.sorts[o] for o in sorted(orders, key=str) if o in self.sorts]
-        raise order_errors.mixed_orders(e, self.line(e), sorts[0] if sorts else None)
+        if not sorts:
+            raise self._positions(e)
+        raise order_errors.mixed_orders(e, self.line(e), sorts[0])
+
+    def _positions(self, e: Any) -> ValueError:
+        """The error for ``e``, which reads the rows' positions in their microbatch."""
+        if self.placed is not None:
+            return order_errors.placed_by_position(e, self.line(e), self.placed, self.line(self.placed))
+        return order_errors.positions(e, self.line(e))
 
     def refuse_outputs(self, outvars: Sequence[Any], twins: Sequence[Any]) -> None:
         for i, (v, w) in enumerate(zip(outvars, twins, strict=True)):
@@ -487,5 +505,6 @@ def require_batch_order_in_loss(
             if twin_traces.whole_number(v):
                 walk.read.add(v)
     twins = twin_traces.twin_equations(rj.eqns, rw.eqns, nmb)
+    walk.differ = len(twins) < len(rj.eqns)
     walk.run(rj.eqns, twins, twin_traces.feeding_outputs(rj, statistics))
     walk.refuse_outputs(rj.outvars, rw.outvars)

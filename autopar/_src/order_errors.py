@@ -85,3 +85,15 @@ def sorted_returned(aux: int, sort: Sort) -> ValueError:
         "the concatenated rows would not be the whole batch's. Return them in the batch's order or "
         "use num_microbatches=1."
     )
+
+
+def placed_by_position(e: Any, at: str, placed: Any, placed_at: str) -> ValueError:
+    """``e`` reads rows placed by position where the traces differ (a Python loop over rows)."""
+    return ValueError(
+        f"The loss function places rows by their position in the batch (at {placed_at}: "
+        f"{_first(placed)}), and its trace differs between one microbatch and the whole batch "
+        "beyond the shapes, as a Python loop over the rows (`[f(row) for row in x]`) makes it; "
+        f"what is made from them (at {at}: {_first(e)}) may mix examples by their positions, "
+        "which with microbatches number only each microbatch's own. Write the per-example "
+        "computation with jax.vmap, or use num_microbatches=1."
+    )
