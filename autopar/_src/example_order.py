@@ -109,6 +109,8 @@ class _Walk:
         self.positions: set[Any] = set()
         """Values made from the rows' positions in their microbatch as numbers (ranks, a weight
         per row): each microbatch's differ from the whole batch's."""
+        self.dims: dict[Any, set[int]] = {}
+        """The per-example dims of each value made by an equation with a twin."""
         self.differ = False
         """Whether the two traces differ beyond shapes, paired around the differences."""
         self.placed: Any = None
@@ -143,6 +145,10 @@ class _Walk:
     def _untwinned(self, e: Any, checked: bool) -> None:
         """An equation the trace at the whole batch has not (an einsum's contraction order there):
         its results in the one order of its operands."""
+        if e.primitive.name == "unstack" and checked:
+            axis = e.params["axis"] % len(twin_traces.shape_of(e.invars[0]))
+            if self.of(e.invars[0]) not in (None, ANY) and axis in self.dims.get(e.invars[0], ()):
+                raise order_errors.rows_one_by_one(e, self.line(e))
         order = self._common(e, [a for a in e.invars if self.of(a) is not None], checked)
         numbered = any(not compat.is_literal(a) and a in self.positions for a in e.invars)
         for v in e.outvars:
@@ -169,7 +175,9 @@ class _Walk:
             not compat.is_literal(a) and bool(per_example_dims(a, b, self.nmb))
             for a, b in zip(e.invars, other.invars, strict=True)
         ]
-        outs = [bool(per_example_dims(v, w, self.nmb)) for v, w in zip(e.outvars, other.outvars, strict=True)]
+        for v, w in zip(e.outvars, other.outvars, strict=True):
+            self.dims[v] = per_example_dims(v, w, self.nmb)
+        outs = [bool(self.dims[v]) for v in e.outvars]
         name = e.primitive.name
         if twin_traces.reads_the_batch(e, self.read):
             self.read.update(v for v in e.outvars if twin_traces.whole_number(v))
@@ -296,6 +304,8 @@ class _Walk:
         is read from the batch of its value in ``values``."""
         for v, a in zip(into, values, strict=True):
             self._set(v, self.of(a), self._perm_of(a))
+            if not compat.is_literal(a) and a in self.dims:
+                self.dims[v] = self.dims[a]
             if not compat.is_literal(a) and a in self.span:
                 self.span[v] = self.span[a]
             if (k := self.constant(a)) is not None:
@@ -500,7 +510,8 @@ def require_batch_order_in_loss(
     rw = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
     walk = _Walk(nmb)
     for v, w in zip(rj.invars, rw.invars, strict=True):
-        if per_example_dims(v, w, nmb):
+        walk.dims[v] = per_example_dims(v, w, nmb)
+        if walk.dims[v]:
             walk.order[v] = BATCH
             if twin_traces.whole_number(v):
                 walk.read.add(v)

@@ -97,3 +97,14 @@ def placed_by_position(e: Any, at: str, placed: Any, placed_at: str) -> ValueErr
         "which with microbatches number only each microbatch's own. Write the per-example "
         "computation with jax.vmap, or use num_microbatches=1."
     )
+
+
+def rows_one_by_one(e: Any, at: str) -> ValueError:
+    """``e`` (``unstack``) takes the batch's rows one by one, where the traces differ."""
+    return ValueError(
+        f"The loss function takes the batch's rows one by one (at {at}: {_first(e)}), as a Python "
+        "loop over the rows (`[f(row) for row in x]`) does: its trace differs there between one "
+        "microbatch and the whole batch, and the rows cannot be followed through the loop (a sum "
+        "of them by `+`, or a few of them, would not be the whole batch's with microbatches). "
+        "Write the per-example computation with jax.vmap, or use num_microbatches=1."
+    )
