@@ -265,6 +265,67 @@ def test_positions_of_a_sort_picking_rows_they_do_not_number_are_an_error_with_m
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
 
 
+def _copies_by_division(stacked):
+    """Each row's two copies, sorted by an expert and added back to ``order // 2``'s row: right
+    where the copies are side by side (``jnp.stack(..., 1).reshape(-1)``), not where they are two
+    runs of all the rows (``jnp.concatenate``, ``jnp.stack(..., 0).reshape(-1)``)."""
+
+    def on_logits(z):
+        experts, gates = (jnp.argmax(z[:, :4], -1), jnp.argmin(z[:, :4], -1)), jnp.tanh(z[:, :2])
+        if stacked == "side-by-side":
+            copies, gate = jnp.stack(experts, 1).reshape(-1), gates.reshape(-1, 1)
+        elif stacked == "runs":
+            copies, gate = jnp.concatenate(experts), jnp.concatenate([gates[:, :1], gates[:, 1:]])
+        else:
+            copies, gate = jnp.stack(experts, 0).reshape(-1), gates.T.reshape(-1, 1)
+        order = jnp.argsort(copies)
+        return z + jnp.zeros_like(z).at[order // 2].add(gate[order] * z[order // 2])
+
+    return on_logits
+
+
+def _tiled_back(z):
+    runs = jnp.tanh(jnp.concatenate([z[:, :5], z[:, 5:]]))
+    return z + runs.reshape(2, z.shape[0], 5).transpose(1, 0, 2).reshape(z.shape)
+
+
+@pytest.mark.parametrize(
+    "on_logits",
+    [_copies_by_division("side-by-side"), _tiled_back],
+    ids=["copies-side-by-side", "runs-put-back"],
+)
+def test_rows_laid_out_as_copies_or_runs_and_put_back_equal_jit_with_microbatches(on_logits):
+    state, batches = _setup()
+    assert_same_as_jit(
+        _step(on_logits=on_logits), state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4
+    )
+
+
+@pytest.mark.parametrize(
+    "on_logits,match",
+    [
+        (_copies_by_division("runs"), r"sorts the examples .*laid out otherwise than the sorted ones"),
+        (_copies_by_division("transposed"), r"sorts the examples .*laid out otherwise than the sorted ones"),
+        (
+            lambda z: (
+                z + (jnp.tanh(jnp.concatenate([z[:, :5], z[:, 5:]])) * z.reshape(-1, 5)).reshape(z.shape)
+            ),
+            r"combines rows laid out as runs of all the examples .* with rows laid out otherwise \(at "
+            r".*test_example_order.*mul",
+        ),
+    ],
+    ids=["copies-as-runs", "copies-transposed", "runs-against-copies"],
+)
+def test_rows_laid_out_as_runs_against_copies_are_an_error_with_microbatches(on_logits, match):
+    """A microbatch's runs of all its rows are not the whole batch's run for run: ``order // 2``
+    on them, or their rows against copies side by side, pair other examples."""
+    state, batches = _setup()
+    step = _step(on_logits=on_logits)
+    with pytest.raises(ValueError, match=rf"{match}.*num_microbatches=1"):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
 def test_sorted_rows_returned_per_example_are_an_error_with_microbatches():
     state, batches = _setup()
     step = _step(aux=lambda z: jnp.sort(z, axis=0))

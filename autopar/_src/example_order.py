@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import compat, fusion, layers, order_errors, twin_traces
+from autopar._src import compat, fusion, layers, order_errors, row_layout, twin_traces
 from autopar._src.trace import TracedStep
 from autopar._src.twin_traces import per_example_dims
 
@@ -88,6 +88,13 @@ class _Perm:
     rows: int
     """How many rows in order ``src`` they number, at one microbatch: the sort's, or a ``k``-th
     of them for ``order // k`` (the row of each of a token's ``k`` copies)."""
+    layout: row_layout.Layout = row_layout.PLAIN
+    """How the rows they number are laid out (:mod:`~autopar._src.row_layout`)."""
+    dst_layout: row_layout.Layout = row_layout.PLAIN
+    """How the rows they gather are laid out: a sort's, plainly; an inverse's, as ``src``'s."""
+
+    def inverse(self, rows: int) -> _Perm:
+        return _Perm(self.dst, self.src, rows, self.dst_layout, self.layout)
 
 
 class _Walk:
@@ -109,6 +116,8 @@ class _Walk:
         self.positions: set[Any] = set()
         """Values made from the rows' positions in their microbatch as numbers (ranks, a weight
         per row): each microbatch's differ from the whole batch's."""
+        self.layout: dict[Any, row_layout.Layout] = {}
+        """How each value's rows are laid out, where not plainly (:mod:`~autopar._src.row_layout`)."""
         self.dims: dict[Any, set[int]] = {}
         """The per-example dims of each value made by an equation with a twin."""
         self.differ = False
@@ -153,6 +162,8 @@ class _Walk:
         numbered = any(not compat.is_literal(a) and a in self.positions for a in e.invars)
         for v in e.outvars:
             self._set(v, BATCH if order == ROWS else order if order != ANY else None, None)
+            alike = [a for a in e.invars if self.of(a) is not None and a.aval.shape == v.aval.shape]
+            self.layout[v] = self._layout(alike[0]) if alike else row_layout.OTHER
             if numbered:
                 self.positions.add(v)
 
@@ -218,6 +229,7 @@ class _Walk:
             found = BATCH  # made from no example, but maybe not the same along the batch: positions
         naming = name in _NAMING or (name == "convert_element_type" and _integer(e.outvars[0]))
         order = ROWS if found == ROWS and naming else (BATCH if found == ROWS else found)
+        self._lay_out(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked)
         perm = self._kept_perm(e, other, ins)
         kept = perm is not None and any(_integer(v) for v in e.outvars)
         spans = {self.span.get(a) for a in e.invars if self.of(a) == ROWS}
@@ -306,6 +318,8 @@ class _Walk:
             self._set(v, self.of(a), self._perm_of(a))
             if not compat.is_literal(a) and a in self.dims:
                 self.dims[v] = self.dims[a]
+            if not compat.is_literal(a) and a in self.layout:
+                self.layout[v] = self.layout[a]
             if not compat.is_literal(a) and a in self.span:
                 self.span[v] = self.span[a]
             if (k := self.constant(a)) is not None:
@@ -353,7 +367,8 @@ class _Walk:
             perm, k = self._perm_of(e.invars[0]), self.constant(e.invars[1])
             if perm is None or k is None or np.ndim(k) or int(k) <= 0 or perm.rows % int(k):
                 return None
-            return dataclasses.replace(perm, rows=perm.rows // int(k))
+            layout = row_layout.divided(perm.layout, int(k))
+            return dataclasses.replace(perm, rows=perm.rows // int(k), layout=layout)
         if name in ("add", "sub"):
             perm = self._perm_of(e.invars[0]) or (self._perm_of(e.invars[1]) if name == "add" else None)
             rest = [(a, b) for a, b in zip(e.invars, other.invars, strict=True) if self._perm_of(a) is None]
@@ -387,14 +402,15 @@ class _Walk:
         if key_perm is not None and self.of(keys[0]) == key_perm.dst:
             # Sorting a permutation's positions: the rows go back to the order they name (a
             # token's k copies side by side, for ``order // k``).
-            src, dst = key_perm.dst, key_perm.src
+            made = key_perm.inverse(rows)
         else:
             src = self._common(e, [a for a in e.invars if self.of(a) != ROWS], checked)
             src = BATCH if src in (ANY, ROWS) else src
-            dst = id(e)
-            self.sorts[dst] = (e, self.line(e))
+            self.sorts[id(e)] = (e, self.line(e))
+            data = [a for a in e.invars if self.of(a) not in (ROWS, None, ANY)]
+            made = _Perm(src, id(e), rows, self._layout(data[0]) if data else row_layout.PLAIN)
         for a, v in zip(e.invars, e.outvars, strict=True):
-            self._set(v, dst, _Perm(src, dst, rows) if self.of(a) == ROWS else None)
+            self._set(v, made.dst, made if self.of(a) == ROWS else None)
 
     def _along(self, e: Any, other: Any) -> set[int]:
         """The per-example dims of a gather's or scatter's operand that its indices pick."""
@@ -410,13 +426,23 @@ class _Walk:
         if checked:
             self._require_rows(e, operand, along, perm)
         if self.of(operand) == ROWS:  # ``jnp.arange(n)[order]``: the permutation itself
-            rows = self.span.get(operand, perm.rows)  # ``jnp.repeat(jnp.arange(n), k)[order]``
-            kept = dataclasses.replace(perm, rows=rows)
+            numbers = self._layout(operand)  # ``jnp.repeat(jnp.arange(n), k)[order]``: rows' own
+            if numbers not in (row_layout.PLAIN, perm.layout) and checked:
+                raise self._misplaced(e, perm)
+            layout = perm.layout if numbers == row_layout.PLAIN else row_layout.PLAIN
+            kept = dataclasses.replace(perm, rows=self.span.get(operand, perm.rows), layout=layout)
             self._set(e.outvars[0], perm.dst, kept if _integer(e.outvars[0]) else None)
             return True
         if self.of(operand) not in (perm.src, ANY, None) and checked:
             self._refuse(e, {self.of(operand), perm.src})
+        if (
+            self.of(operand) not in (ANY, None)
+            and not row_layout.fit(self._layout(operand), perm.layout)
+            and checked
+        ):
+            raise self._misplaced(e, perm)
         self._set(e.outvars[0], perm.dst, None)
+        self.layout[e.outvars[0]] = perm.dst_layout
         return True
 
     def _scatter(self, e: Any, other: Any, checked: bool) -> bool:
@@ -430,14 +456,59 @@ class _Walk:
             for a, want in ((operand, perm.src), (updates, perm.dst)):
                 if self.of(a) not in (want, ANY, ROWS, None):
                     self._refuse(e, {self.of(a), want})
+            if perm.layout == row_layout.DIVIDED or (
+                self.of(operand) not in (ANY, None) and not row_layout.fit(self._layout(operand), perm.layout)
+            ):
+                raise self._misplaced(e, perm)
         # ``zeros.at[order].set(jnp.arange(n))``: the inverse permutation.
         inverse = (
-            _Perm(perm.dst, perm.src, twin_traces.shape_of(idx)[0])
+            perm.inverse(twin_traces.shape_of(idx)[0])
             if self.of(updates) == ROWS and _integer(e.outvars[0])
             else None
         )
         self._set(e.outvars[0], perm.src, inverse)
+        self.layout[e.outvars[0]] = perm.layout
         return True
+
+    def _layout(self, a: Any) -> row_layout.Layout:
+        return row_layout.PLAIN if compat.is_literal(a) else self.layout.get(a, row_layout.PLAIN)
+
+    def _misplaced(self, e: Any, perm: _Perm) -> ValueError:
+        sort = next(self.sorts[o] for o in (perm.dst, perm.src) if o in self.sorts)
+        return order_errors.misplaced(e, self.line(e), sort)
+
+    def _lay_out(self, e: Any, operands: Sequence[Any], checked: bool) -> None:
+        """Lays out the rows of ``e``'s results from its per-example ``operands``' (a reshape
+        regroups them, a concatenation along the batch runs them one after the other); raises
+        where two of them are laid out otherwise (tiled rows against copies)."""
+        data = [a for a in operands if self.of(a) not in (None, ANY)]
+        layouts = [self._layout(a) for a in data]
+        if checked and any(not row_layout.fit(x, y) for x in layouts for y in layouts):
+            raise order_errors.mixed_layouts(e, self.line(e))
+        name, outs = e.primitive.name, [v for v in e.outvars if len(self.dims.get(v, ())) == 1]
+        if not data or not outs:
+            return
+        (d_out,) = self.dims[outs[0]]
+        ins = self.dims.get(data[0], set())
+        if name == "reshape" and len(ins) == 1:
+            (d_in,) = ins
+            before, after = twin_traces.shape_of(data[0]), twin_traces.shape_of(outs[0])
+            layout = row_layout.regrouped(layouts[0], before, after, d_in, d_out)
+        elif name == "concatenate" and e.params["dimension"] == d_out:
+            rows = [twin_traces.shape_of(a)[d_out] for a in e.invars]
+            layout = row_layout.concatenated([self._layout(a) for a in e.invars], rows)
+        elif name == "tile" and len(ins) == 1:
+            reps = e.params["reps"][d_out]
+            layout = row_layout.tiled(reps) if layouts[0] == row_layout.PLAIN else row_layout.OTHER
+        elif (
+            len(ins) == 1 and twin_traces.shape_of(data[0])[min(ins)] == twin_traces.shape_of(outs[0])[d_out]
+        ):
+            layout = next((x for x in layouts if x != row_layout.PLAIN), row_layout.PLAIN)
+        else:
+            layout = row_layout.OTHER
+        for v in outs:
+            if layout != row_layout.PLAIN:
+                self.layout[v] = layout
 
     def _require_rows(self, e: Any, operand: Any, along: Set[int], perm: _Perm) -> None:
         """Raises where ``e`` gathers or scatters the rows of ``operand`` by a permutation of
@@ -473,6 +544,8 @@ class _Walk:
                 raise order_errors.positions_returned(i - 1)
             if self.of(v) in self.sorts:
                 raise order_errors.sorted_returned(i - 1, self.sorts[self.of(v)])
+            if self._layout(v)[0] == "tiled":
+                raise order_errors.tiled_returned(i - 1)
 
 
 def _value_operands(e: Any) -> range | tuple[int, ...]:

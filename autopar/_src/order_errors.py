@@ -108,3 +108,37 @@ def rows_one_by_one(e: Any, at: str) -> ValueError:
         "of them by `+`, or a few of them, would not be the whole batch's with microbatches). "
         "Write the per-example computation with jax.vmap, or use num_microbatches=1."
     )
+
+
+def misplaced(e: Any, at: str, sort: Sort) -> ValueError:
+    """``e`` picks rows by a sort's positions that number rows laid out otherwise."""
+    return ValueError(
+        f"The loss function sorts the examples (at {sort[1]}: {_first(sort[0])}) and picks rows by "
+        f"its positions that are laid out otherwise than the sorted ones (at {at}: {_first(e)}): "
+        "`order // k` names each copy's row only where the sorted values are each row's k copies "
+        "side by side (`x.reshape(-1)` of [n, k], `jnp.repeat`), not runs of all the rows "
+        "(`jnp.concatenate([a, b])`, `jnp.tile`), and an iota gathered by it must be laid out as "
+        "the sorted values. With microbatches the rows would be other examples' than the whole "
+        "batch's. Lay them out alike, or use num_microbatches=1."
+    )
+
+
+def mixed_layouts(e: Any, at: str) -> ValueError:
+    """``e`` combines rows laid out as copies of the examples with runs of them."""
+    return ValueError(
+        f"The loss function combines rows laid out as runs of all the examples one after the other "
+        f"(`jnp.concatenate([a, b])`, `jnp.tile`, `x.T.reshape(-1)`) with rows laid out otherwise "
+        f"(at {at}: {_first(e)}): a microbatch's runs are its own examples', so its rows would meet "
+        "other examples' than the whole batch's. Lay them out alike (`jnp.stack([a, b], 1)"
+        ".reshape(-1)` for copies side by side), or use num_microbatches=1."
+    )
+
+
+def tiled_returned(aux: int) -> ValueError:
+    """Aux output ``aux`` holds rows laid out as runs of all the examples."""
+    return ValueError(
+        f"Aux output {aux} of the loss function holds rows laid out as runs of all the examples one "
+        "after the other (`jnp.concatenate([a, b])`, `jnp.tile`): the microbatches' values "
+        "concatenated would not be the whole batch's. Return them with one dim per example, or use "
+        "num_microbatches=1."
+    )
