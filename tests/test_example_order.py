@@ -21,6 +21,14 @@ def _setup():
     return state, [train.make_batch("mlp", config, BATCH, seed=i) for i in range(3)]
 
 
+def _assert_refused_with_microbatches(step, match):
+    """``step`` is an error matching ``match`` with 4 microbatches, and equals jit with one."""
+    state, batches = _setup()
+    with pytest.raises(ValueError, match=match):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+
+
 def _step(on_logits=lambda z: z, on_losses=jnp.mean, aux=None):
     """An MLP step: ``on_losses(per-example losses of on_logits(logits))``, with ``aux(logits)``
     returned as aux when given."""
@@ -228,14 +236,11 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
     ],
 )
 def test_sorted_rows_meeting_another_order_are_an_error_with_microbatches(step, meets):
-    state, batches = _setup()
-    with pytest.raises(
-        ValueError,
-        match=rf"sorts the examples \(at .*test_example_order.*sort\[.*combines them.*({meets})"
+    _assert_refused_with_microbatches(
+        step,
+        rf"sorts the examples \(at .*test_example_order.*sort\[.*combines them.*({meets})"
         r".*num_microbatches=1",
-    ):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
-    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    )
 
 
 def _by_half_positions(z):
@@ -254,15 +259,11 @@ def _back_by_half_positions(z):
 def test_positions_of_a_sort_picking_rows_they_do_not_number_are_an_error_with_microbatches(on_logits):
     """``order // 2`` numbers the rows of an array half the sort's length (a token's two
     copies): on the sorted array itself it picks by place."""
-    state, batches = _setup()
-    step = _step(on_logits=on_logits)
-    with pytest.raises(
-        ValueError,
-        match=r"sorts the examples \(at .*test_example_order.*sort\[.*picks the rows of another array by "
+    _assert_refused_with_microbatches(
+        _step(on_logits=on_logits),
+        r"sorts the examples \(at .*test_example_order.*sort\[.*picks the rows of another array by "
         r"its positions \(at .*gather.*: 4 rows, where the positions number 2\).*num_microbatches=1",
-    ):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
-    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    )
 
 
 def _copies_by_division(stacked):
@@ -319,19 +320,14 @@ def test_rows_laid_out_as_copies_or_runs_and_put_back_equal_jit_with_microbatche
 def test_rows_laid_out_as_runs_against_copies_are_an_error_with_microbatches(on_logits, match):
     """A microbatch's runs of all its rows are not the whole batch's run for run: ``order // 2``
     on them, or their rows against copies side by side, pair other examples."""
-    state, batches = _setup()
-    step = _step(on_logits=on_logits)
-    with pytest.raises(ValueError, match=rf"{match}.*num_microbatches=1"):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
-    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    _assert_refused_with_microbatches(_step(on_logits=on_logits), rf"{match}.*num_microbatches=1")
 
 
 def test_sorted_rows_returned_per_example_are_an_error_with_microbatches():
-    state, batches = _setup()
-    step = _step(aux=lambda z: jnp.sort(z, axis=0))
-    with pytest.raises(ValueError, match=r"Aux output 0 .* in the order of a sort \(at .*test_example_order"):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
-    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    _assert_refused_with_microbatches(
+        _step(aux=lambda z: jnp.sort(z, axis=0)),
+        r"Aux output 0 .* in the order of a sort \(at .*test_example_order",
+    )
 
 
 def _above_the_median_rank(losses):
@@ -351,10 +347,7 @@ def _above_the_median_rank(losses):
 )
 def test_positions_in_the_batch_read_as_numbers_are_an_error_with_microbatches(step):
     """A microbatch's ranks and row numbers are not the whole batch's."""
-    state, batches = _setup()
-    with pytest.raises(ValueError, match=r"positions in (the batch|their microbatch)"):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
-    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    _assert_refused_with_microbatches(step, r"positions in (the batch|their microbatch)")
 
 
 def _python_loop_step(reduce):
@@ -405,9 +398,6 @@ def test_a_python_loop_over_the_rows_in_the_loss_function_is_an_error_that_names
     differ there, and the rows cannot be followed through it (a sum by Python's ``+`` would be a
     sum over the microbatch). The same with jax.vmap is one equation for all rows, and equals
     jit."""
+    _assert_refused_with_microbatches(_python_loop_step(reduce), match)
     state, batches = _setup()
-    step = _python_loop_step(reduce)
-    with pytest.raises(ValueError, match=match):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batches[0])
-    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
     assert_same_as_jit(_losses_by_vmap, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
