@@ -408,6 +408,10 @@ def test_whole_batch_code_that_changes_with_the_batch_size_is_an_error_with_micr
         # inside a loop's or a cond's body
         lambda x: jax.lax.scan(lambda c, _: (c + 0.1 * c[::-1], None), x, None, length=2)[0],
         lambda x: jax.lax.cond(x.sum() > -1e9, lambda c: c + 0.1 * jnp.roll(c, 1, 0), lambda c: c, x),
+        # a Python loop over the rows: each with its neighbour, in reverse, the first row for all
+        lambda x: jnp.stack([x[i] + 0.1 * x[i - 1] for i in range(x.shape[0])]),
+        lambda x: jnp.stack(list(x)[::-1]),
+        lambda x: x + 0.1 * list(x)[0],
     ],
     ids=[
         "roll",
@@ -420,6 +424,9 @@ def test_whole_batch_code_that_changes_with_the_batch_size_is_an_error_with_micr
         "gathered-rev",
         "rev-in-scan",
         "roll-in-cond",
+        "loop-neighbours",
+        "loop-reversed",
+        "loop-first-row",
     ],
 )
 def test_code_before_the_gradient_that_combines_examples_is_an_error_with_microbatches(mix):
@@ -434,6 +441,25 @@ def test_code_before_the_gradient_that_combines_examples_is_an_error_with_microb
     ref, got = jax.jit(mixed)(state, batch), autopar.autoparallel(mixed, num_stages=2)(state, batch)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+
+
+@pytest.mark.parametrize(
+    "per_row",
+    [
+        lambda batch: jnp.stack([jnp.tanh(row) for row in batch["x"]]),
+        lambda batch: jnp.stack([row * (y + 1) for row, y in zip(batch["x"], batch["y"], strict=True)]),
+        lambda batch: jnp.stack([batch["x"][i] * 2 for i in range(batch["x"].shape[0])]),
+    ],
+    ids=["rows", "rows-with-labels", "rows-by-index"],
+)
+def test_a_python_loop_over_the_rows_before_the_gradient_equals_jit_with_microbatches(per_row):
+    """Each row taken one by one, made into its own, and put back in its place: each example's."""
+    step, state, batch = _mlp_step()
+
+    def looped(state, batch):
+        return step(state, {**batch, "x": per_row(batch)})
+
+    assert_same_as_jit(looped, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
 
 
 def _above_the_median(losses):

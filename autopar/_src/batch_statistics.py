@@ -318,8 +318,11 @@ def unread(step: TracedStep, stats: Statistics) -> set[Any]:
 
 
 def _same(mine: Sequence[Any], theirs: Sequence[Any]) -> bool:
+    """Whether two traces pair equation for equation (an ``unstack`` of the rows has as many
+    results as rows: not at both batch sizes)."""
     return len(mine) == len(theirs) and all(
-        e.primitive is t.primitive for e, t in zip(mine, theirs, strict=True)
+        e.primitive is t.primitive and (len(e.invars), len(e.outvars)) == (len(t.invars), len(t.outvars))
+        for e, t in zip(mine, theirs, strict=True)
     )
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import compat, layers, twin_traces
+from autopar._src import compat, layers, row_loops, twin_traces
 from autopar._src.trace import TracedStep
 
 _STATIC_ELEMENTS = 1 << 20
@@ -71,17 +71,36 @@ def require_examples_apart(
         other = twin.get(id(e))
         found = _mixing(e, other, nmb, indices) if k in feeding and other is not None else None
         if found is not None and len(twin) < len(mine) and _picks_a_row(found, positions):
-            continue  # traces paired around a Python loop over the rows: a row's slice is its own
+            continue  # traces paired around a Python loop over the rows: row_loops follows them
         if found is not None:
-            where = compat.source_line(found, compat.source_line(e))  # in a loop's body: the loop's
-            raise ValueError(
-                f"The step's code before the gradient combines examples (at {where}: "
-                f"{str(found).splitlines()[0]!r}): with num_microbatches={nmb} it runs per microbatch "
-                "and would see only that microbatch's examples, so what it makes (another example's "
-                "values as mixup's partner, a statistic of more than the batch alone, rows picked by "
-                "indices read from the batch, which number the whole batch's rows) would not be the "
-                "whole batch's. Do it in the data pipeline, or use num_microbatches=1."
+            raise _combined_before_the_gradient(found, compat.source_line(found, compat.source_line(e)), nmb)
+    # A Python loop over the rows: what it makes from one row alone, put back in place.
+    dims = {
+        v: twin_traces.per_example_dims(v, w, nmb) for v, w in zip(step.arg_vars, whole.arg_vars, strict=True)
+    }
+    for e in mine:
+        other = twin.get(id(e))
+        if other is not None:
+            dims.update(
+                (v, twin_traces.per_example_dims(v, w, nmb))
+                for v, w in zip(e.outvars, other.outvars, strict=True)
             )
+    region = {a for a in step.jaxpr.eqns[at].invars if not compat.is_literal(a)}
+    found = row_loops.mixing_rows(mine, dims, region)
+    if found is not None:
+        raise _combined_before_the_gradient(found, compat.source_line(found), nmb)
+
+
+def _combined_before_the_gradient(found: Any, where: str, nmb: int) -> ValueError:
+    return ValueError(
+        f"The step's code before the gradient combines examples (at {where}: "
+        f"{str(found).splitlines()[0]!r}): with num_microbatches={nmb} it runs per microbatch "
+        "and would see only that microbatch's examples, so what it makes (another example's "
+        "values as mixup's partner, a statistic of more than the batch alone, rows picked by "
+        "indices read from the batch, which number the whole batch's rows, rows of a Python "
+        "loop over the batch combined with others) would not be the whole batch's. Do it in the "
+        "data pipeline, or use num_microbatches=1."
+    )
 
 
 def require_examples_apart_in_loss(
