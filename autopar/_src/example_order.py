@@ -19,7 +19,11 @@ another, scattering rows by them goes back. ``iota`` itself numbers the rows of 
 it is used in while it only names them (shifted, compared for equality with other row numbers,
 the ids of ``jax``'s derivative of a scatter); used as a number (weights, thresholds) it is a
 position in the batch's order. Sorts, slices and gathers by position that pick a few examples
-are refused by :mod:`~autopar._src.example_mixing` whatever the order.
+are refused by :mod:`~autopar._src.example_mixing` whatever the order. Permutations, layouts
+and what is known of each value are in :mod:`~autopar._src.sort_permutations` and
+:mod:`~autopar._src.row_layout`. The batch's integers compared with the rows' numbers (a one-hot
+of partner rows) are refused, and so is a Python loop over the rows (``jax.vmap`` does the same
+in one equation): the traces differ there and its rows are not followed.
 """
 
 from __future__ import annotations
