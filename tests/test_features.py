@@ -462,6 +462,20 @@ def test_a_python_loop_over_the_rows_before_the_gradient_equals_jit_with_microba
     assert_same_as_jit(looped, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
 
 
+def test_feature_slices_before_the_gradient_with_one_example_per_microbatch_equal_jit():
+    """With one example per microbatch a slice of its features is one row wide along the batch:
+    the whole microbatch, not a row taken by place."""
+    step, state, batch = _mlp_step()
+
+    def sliced(state, batch):
+        x = batch["x"]
+        return step(state, {**batch, "x": jnp.concatenate([x[:, :16] * 2, x[:, 16:]], 1)})
+
+    assert_same_as_jit(
+        sliced, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=len(batch["y"])
+    )
+
+
 def _above_the_median(losses):
     threshold = jax.lax.stop_gradient(jnp.median(losses))  # the examples above the batch's median
     kept = (losses >= threshold).astype(losses.dtype)

@@ -64,7 +64,7 @@ def _taken(e: Any, dims: Mapping[Any, Set[int]]) -> dict[Any, _Row] | None:
     (d,) = along
     start, limit = e.params["start_indices"][d], e.params["limit_indices"][d]
     strides = e.params["strides"] or (1,) * len(shape)
-    if limit - start != 1 or strides[d] != 1:
+    if limit - start != 1 or strides[d] != 1 or shape[d] == 1:  # one row of one: the whole dim
         return None
     return {e.outvars[0]: (start, shape[d])}
 
