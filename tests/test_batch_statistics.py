@@ -12,7 +12,7 @@ from equality import TOLERANCES, assert_same_as_jit
 from flax.training import train_state
 
 import autopar
-from autopar._src import batch_statistics, planning, trace
+from autopar._src import batch_statistics, planning, share_scaling, trace
 from models import train
 
 BATCH, TOKENS, MICROBATCHES = 16, 6, 4
@@ -37,6 +37,19 @@ LOSSES = {
     "weighted": lambda ce, mask, y: (
         jnp.sum(ce * jnp.where(mask, 1.0 + y % 3, 0.0)) / jnp.sum(jnp.where(mask, 1.0 + y % 3, 0.0))
     ),
+    # A count made in a loop over the rows, which adds up: a sum over the examples.
+    "counted in a loop": lambda ce, mask, y: (
+        jnp.sum(ce * mask) / jax.lax.fori_loop(0, mask.shape[0], lambda i, c: c + jnp.sum(mask[i]), 0.0)
+    ),
+    # A boolean figure: the whole batch's, however few tokens a microbatch holds.
+    "guarded by a threshold": lambda ce, mask, y: jnp.where(
+        jnp.sum(mask) > 30, jnp.sum(ce * mask) / jnp.sum(mask), 0.0
+    ),
+    # Each class weighed by the inverse of its count in the batch (jnp.bincount: a scatter-add),
+    # the share gathered per token.
+    "class-balanced": lambda ce, mask, y: (
+        jnp.sum(ce * mask / jnp.maximum(_class_counts(mask, y), 1.0)[jnp.where(mask, y, 0)]) / 10
+    ),
     # Class weights gathered from a constant table (a closed-over array is a constant of the step).
     "class weights": lambda ce, mask, y: (
         jnp.sum(ce * jnp.asarray(CLASS_WEIGHTS)[jnp.where(mask, y, 0)] * mask)
@@ -44,6 +57,12 @@ LOSSES = {
     ),
 }
 CLASS_WEIGHTS = np.linspace(1.0, 4.0, 10, dtype=np.float32)
+
+
+def _class_counts(mask, y, dtype=jnp.float32):
+    """Each class's tokens in the batch."""
+    weights = mask.ravel().astype(jnp.float32)
+    return jnp.bincount(jnp.where(mask, y, 0).ravel(), weights=weights, length=10).astype(dtype)
 
 
 def _setup(
@@ -239,19 +258,54 @@ def test_the_count_is_made_once_from_the_joined_batch_and_shared_out():
     assert {op.eqn.primitive.name for op in found.ops if op.kind == "eqn"} >= {"ne", "reduce_sum"}
 
 
-@pytest.mark.parametrize("kind", ["drawn", "looped", "model"])
+@pytest.mark.parametrize("kind", ["drawn", "model"])
 def test_what_is_not_a_figure_of_the_batch_alone_is_left_to_each_microbatch(kind):
     def loss_of(ce, mask, y):
         if kind == "drawn":  # random draws differ at the whole batch's shape
             keep = jax.random.bernoulli(jax.random.key(0), 0.9, mask.shape)
             return jnp.sum(ce * mask) / jnp.sum(mask * keep)
-        if kind == "looped":  # a count made in a loop: not followed
-            n = jax.lax.fori_loop(0, mask.shape[0], lambda i, c: c + jnp.sum(mask[i]), 0.0)
-            return jnp.sum(ce * mask) / n
         return jnp.sum(ce * mask) / jnp.sum(ce)  # depends on the model
 
     step, state, batches = _setup(loss_of)
     assert _statistics(step, state, batches[0]).values == {}
+
+
+REFUSED = {
+    # An integer count: its share is no integer.
+    "integer count": (
+        lambda ce, mask, y: jnp.sum(ce * mask / _class_counts(mask, y, jnp.int32)[jnp.where(mask, y, 0)]),
+        "integer figure of the batch",
+    ),
+    # A share compared with a constant: a rare class in the batch is not a rare one in a microbatch.
+    "share compared": (
+        lambda ce, mask, y: (
+            jnp.sum(ce * mask * (_class_counts(mask, y)[jnp.where(mask, y, 0)] > 5.0)) / jnp.sum(mask)
+        ),
+        "applies gt",
+    ),
+    # A share with a constant added, then divided by.
+    "share shifted": (
+        lambda ce, mask, y: jnp.sum(ce * mask / (_class_counts(mask, y)[jnp.where(mask, y, 0)] + 1.0)) / 10,
+        "applies div",
+    ),
+    # A figure made in a loop whose carry neither adds up nor settles: how it scales is unknown.
+    "unfollowed loop": (
+        lambda ce, mask, y: (
+            jnp.sum(ce * mask)
+            / jax.lax.fori_loop(0, mask.shape[0], lambda i, c: c * 0.5 + jnp.sum(mask[i]), 1.0)
+        ),
+        "cannot tell how it scales",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_figure_of_the_batch_the_microbatches_cannot_share_is_an_error(name):
+    loss_of, message = REFUSED[name]
+    step, state, batches = _setup(loss_of)
+    with pytest.raises(ValueError, match=message):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=MICROBATCHES)(state, batches[0])
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
 
 
 def test_bert_with_padding_that_differs_between_microbatches_equals_jit():
@@ -276,7 +330,10 @@ class _Layer(nn.Module):
             w = jnp.where(mask[:, None, :] > 0, w, -1e9)
             return jnp.einsum("bts,bsd->btd", jax.nn.softmax(w), v)
 
-        q, k, v = jnp.split(nn.Dense(48)(x), 3, axis=-1)
+        # No bias: a key's bias has a gradient of exactly zero (the softmax does not change when
+        # every score of a query moves alike), and Adam would turn the float noise of that zero
+        # into updates of the order of lr * noise / eps.
+        q, k, v = jnp.split(nn.Dense(48, use_bias=False)(x), 3, axis=-1)
         x = nn.LayerNorm()(x + attend(q, k, v, mask))
         return nn.LayerNorm()(x + nn.Dense(16)(nn.gelu(nn.Dense(32)(x))))
 
@@ -314,3 +371,20 @@ def test_a_padded_language_model_with_nested_jits_equals_jit_over_microbatches()
         return state.apply_gradients(grads=grads), loss
 
     assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=4)
+
+
+def test_values_made_from_a_share_are_monomials_in_its_scale_or_refused():
+    # n: a share of degree 1 (a count); l: the examples' losses; y: their classes.
+    def made(n, l, y):
+        per_class = l / n[y]  # mu ** -1
+        total = jnp.sum(per_class)
+        zeros = jnp.zeros(3).at[y].add(per_class)  # scattered into zeros: as what it scatters
+        mixed = jnp.mean(l) + total  # degrees 0 and -1: read linearly only
+        return total, zeros / n, mixed * 2.0, n[y] > 0.0, jnp.exp(total), n[0] / mixed, n[y] > 2.0
+
+    closed = jax.make_jaxpr(made)(jnp.ones(3), jnp.ones(4), jnp.zeros(4, jnp.int32))
+    found, refused = share_scaling.degrees(closed.jaxpr.eqns, {closed.jaxpr.invars[0]: 1.0})
+    outs = closed.jaxpr.outvars
+    assert [found.get(v) for v in outs[:4]] == [-1.0, -2.0, share_scaling.MIXED, 0.0]
+    assert all(v not in found for v in outs[4:])  # exp, divided by a sum, compared with 2
+    assert sorted(e.primitive.name for e in refused.values()) == ["div", "exp", "gt"]

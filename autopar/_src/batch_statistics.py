@@ -9,14 +9,12 @@ not on what is differentiated, so it can be computed once per step from the whol
 the pipeline, and handed to every microbatch in place of its own: each microbatch then computes
 its share of ``jax.jit``'s loss.
 
-A *statistic* is a float value of the loss function's forward, at its top level, that
+A *statistic* is a value of the loss function's forward, at its top level, that
 
 - depends on the batch's leaves, and otherwise only on what every microbatch shares (literals,
   the step's constants, its arguments outside the batch, e.g. a class-weight table in the
   state): not on the differentiated inputs (a batch leaf among them too), what the step makes
-  from the batch with loops or random draws, random draws or the backward's cotangents; made
-  without loops or calls, whose reductions over the batch :mod:`~autopar._src.batch_scaling`
-  might not follow;
+  from the batch with random draws, random draws or the backward's cotangents;
 - has no dim per example (the two traces, at one microbatch and at the whole batch, give it one
   shape);
 - is read by an equation that makes something else (where the batch's figure meets the model
@@ -29,8 +27,11 @@ number of microbatches, so the microbatch sees what its share of the batch would
 average of the microbatches' losses is the whole batch's: for the masked mean, each microbatch
 computes ``num_microbatches * sum_j(l * m) / sum(m)``. One of degree ``d`` is divided by
 ``num_microbatches ** d`` likewise (``1 / sum(m)`` multiplied); a mean, a maximum or one
-example's value (degree zero) is handed over as it is. A statistic whose degree the check does
-not follow, or is not a whole number, is left to each microbatch.
+example's value (degree zero) is handed over as it is, integers and booleans too (``n > 0``).
+An integer one of another degree (``jnp.bincount(y)``) has no integer share, and one made where
+the check does not follow how it scales (a loop whose carries neither add up nor settle) none
+known: both are errors. One whose degree is not a whole number is left to each microbatch (the
+loss made from it is not a mean, which :mod:`~autopar._src.region_outputs` refuses).
 """
 
 from __future__ import annotations
@@ -62,82 +63,12 @@ class Statistics:
     ops: tuple[Op, ...]
     """The once-per-step ops making those values, in order: the batch's leaves joined, the
     twins at the whole batch, the division of sums by the number of microbatches."""
-    shares: frozenset[Any] = frozenset()
-    """The statistics each microbatch reads a share of (of degree other than 0: a count)."""
+    shares: Mapping[Any, float] = dataclasses.field(default_factory=dict)
+    """The statistics each microbatch reads a share of (of degree other than 0: a count), and
+    their degrees (:mod:`~autopar._src.share_scaling`)."""
 
 
 NONE = Statistics({}, ())
-
-_NONLINEAR = frozenset(
-    {"exp", "exp2", "log", "log1p", "expm1", "pow", "integer_pow", "sqrt", "rsqrt", "cbrt", "tanh"}
-    | {"logistic", "sin", "cos", "tan", "atan", "erf", "erf_inv", "lgamma", "digamma", "square"}
-)
-"""Elementwise primitives that are not linear in their operand."""
-
-
-def require_linear_in_shares(step: TracedStep, stats: Statistics, averaged: Sequence[int]) -> None:
-    """Raises if an averaged output of the grad region of ``step`` (``averaged``: their indices;
-    the loss is 0) applies a nonlinear function to a value made from both a statistic's share
-    and anything else (the model, the examples): ``exp(loss)`` of a masked mean, a perplexity.
-    Each microbatch's loss is its share of the whole batch's, which averages to it only where
-    what is made from it is linear in it.
-
-    Raises:
-      ValueError: naming the output, the equation and its source line.
-    """
-    if not stats.shares:
-        return
-    region = step.jaxpr.eqns[step.region_index()]
-    rj = region.params["info"].jaxpr
-    inputs = [*rj.constvars, *rj.invars]
-    shares = set(stats.shares) | {
-        v
-        for v, o in zip(inputs, region.invars, strict=True)
-        if not compat.is_literal(o) and o in stats.shares
-    }
-    share_made, other_made = set(shares), {v for v in inputs if v not in shares}
-    backward: set[Any] = set()  # made from the backward's cotangent seed
-    for e in rj.eqns:
-        ins = [a for a in e.invars if not compat.is_literal(a)]
-        outs = [v for v in e.outvars if not compat.is_dropvar(v)]
-        if e.primitive is layers.cotangent_seed_p or any(a in backward for a in ins):
-            backward.update(outs)
-            continue
-        pairs = (
-            zip(e.invars, e.outvars, strict=True)
-            if layers.is_boundary(e)
-            else [(a, v) for a in ins for v in outs]
-        )
-        for a, v in pairs:
-            if not compat.is_literal(a) and a in share_made:
-                share_made.add(v)
-            if not compat.is_literal(a) and a in other_made and v not in shares:  # a statistic: made once
-                other_made.add(v)
-
-    def nonlinear(e: Any) -> bool:
-        mixed = [not compat.is_literal(a) and a in share_made and a in other_made for a in e.invars]
-        return (e.primitive.name in _NONLINEAR and any(mixed)) or (e.primitive.name == "div" and mixed[1])
-
-    for i in averaged:
-        needed = {rj.outvars[i]} - {a for a in rj.outvars[i : i + 1] if compat.is_literal(a)}
-        for e in reversed(rj.eqns):
-            made = [k for k, v in enumerate(e.outvars) if v in needed]
-            if not made or any(v in backward for v in e.outvars):
-                continue
-            if layers.is_boundary(e):
-                needed.update(e.invars[k] for k in made if not compat.is_literal(e.invars[k]))
-                continue
-            if nonlinear(e):
-                what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
-                raise ValueError(
-                    f"{what} applies {e.primitive.name} (at {compat.source_line(e)}) to a value made "
-                    "with a figure of the whole batch (a masked mean's token count, made once per "
-                    "step): each microbatch holds its share of that figure, and a nonlinear function "
-                    "of the shares would not average to jax.jit's value. Return the value itself and "
-                    "apply the function after the step (perplexity = exp(loss)), or use "
-                    "num_microbatches=1."
-                )
-            needed.update(a for a in e.invars if not compat.is_literal(a))
 
 
 def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) -> Statistics:
@@ -163,13 +94,15 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
         return NONE
     # The same for every microbatch, and not differentiated: constants, a class-weight table in
     # the state (the model's parameters are differentiated; what the step makes from the batch
-    # otherwise, with loops or random draws, is the microbatch's).
+    # otherwise, with random draws, is the microbatch's).
     fixed = {v for v in free if compat.is_literal(outer[v]) or outer[v] in pre.fixed}
     bound = set(inputs) - from_batch - fixed  # depends on more than the batch
     tainted = set(from_batch)  # depends on the batch
-    plain = from_batch | fixed  # made without bodies (loops, calls), whose degrees are followed
     twin = dict(zip(inputs, twin_inputs, strict=True))
-    made = set()  # made by an equation at the top level, not a boundary
+    # Made by an equation at the top level, not a boundary, but for an integer or boolean figure
+    # carried across one as it is (a count cast to float in a later stage: the cast's result is
+    # the statistic, its degree followed across).
+    made: set[Any] = set()
 
     def reads(e: Any, values: set[Any]) -> list[bool]:
         return [not compat.is_literal(a) and a in values for a in e.invars]
@@ -177,14 +110,11 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     for e, t in zip(rj.eqns, rw.eqns, strict=True):
         twin.update((v, w) for v, w in zip(e.outvars, t.outvars, strict=True) if not compat.is_dropvar(v))
         if layers.is_boundary(e):  # an identity per value
-            for values in (bound, tainted, plain):
+            for values in (bound, tainted):
                 values.update(v for v, r in zip(e.outvars, reads(e, values), strict=True) if r)
+            made.update(v for a, v in zip(e.invars, e.outvars, strict=True) if _integral(a) and a in made)
             continue
         made.update(e.outvars)
-        if not compat.bodies(e) and all(
-            r or compat.is_literal(a) for a, r in zip(e.invars, reads(e, plain), strict=True)
-        ):
-            plain.update(e.outvars)
         if e.primitive is layers.cotangent_seed_p or _draws(e):
             bound.update(e.outvars)
             continue
@@ -199,16 +129,16 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             not compat.is_literal(a)
             and (a in made or a in from_batch)
             and a in tainted
-            and a in plain
             and a not in bound
-            and batch_scaling.is_float(a)
             and a.aval.shape == twin[a].aval.shape
         )
 
     # Where a statistic meets anything else: the model, the examples, another layer.
     found: dict[Any, None] = {}
     for e in rj.eqns:
-        if layers.is_boundary(e) or not all(is_statistic(v) for v in e.outvars if not compat.is_dropvar(v)):
+        if layers.is_boundary(e):
+            found.update((a, None) for a in e.invars if is_statistic(a) and not _integral(a))
+        elif not all(is_statistic(v) for v in e.outvars if not compat.is_dropvar(v)):
             found.update((a, None) for a in e.invars if is_statistic(a))
     found.update((a, None) for a in rj.outvars if is_statistic(a))
 
@@ -218,7 +148,6 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             not compat.is_literal(a)
             and a in pre.batch_only
             and a not in batch_vars
-            and batch_scaling.is_float(a)
             and a.aval.shape == pre.twin[a].aval.shape
         )
 
@@ -234,8 +163,12 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     degrees = {}
     for v in [*found, *found_before]:
         s = scalings.get(v)
-        degree = 0.0 if s is None or s.extreme else None if s.unknown else s.degree
-        if degree is not None and float(degree).is_integer():
+        if s is not None and s.unknown:
+            raise _unfollowed(v, s.origin, nmb)
+        degree = 0.0 if s is None or s.extreme else s.degree
+        if float(degree).is_integer():
+            if degree and not batch_scaling.is_float(v):
+                raise _integer_count(v, s.origin if s is not None else None, nmb)
             degrees[v] = degree
     return _made_once(step, whole, {**pre.twin, **twin}, degrees, nmb, pre.fixed) if degrees else NONE
 
@@ -246,7 +179,7 @@ class Before:
     same equations there (see :func:`before_region`)."""
 
     batch_only: frozenset[Any]
-    """The batch's leaves and what is made from them alone, without loops, calls or random draws
+    """The batch's leaves and what is made from them alone, without random draws
     (a mask from the labels, a count of its tokens)."""
     scalings: Found
     """How those values scale with the batch (:func:`~autopar._src.batch_scaling.scalings`)."""
@@ -283,11 +216,7 @@ def before_region(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb
         read = [a for a in e.invars if not compat.is_literal(a)]
         if all(a in fixed for a in read) and str(e) == str(t):
             fixed.update(v for v in e.outvars if not compat.is_dropvar(v))
-        elif (
-            compat.bodies(e)
-            or _draws(e)
-            or not all(a in batch_only or a in fixed or a in shaped for a in read)
-        ):
+        elif _draws(e) or not all(a in batch_only or a in fixed or a in shaped for a in read):
             continue
         elif any(a in derived for a in read):
             batch_only.update(e.outvars)
@@ -336,6 +265,33 @@ def _same_value(x: Any, y: Any) -> bool:
     return bool(np.shape(x) == np.shape(y) and np.array_equal(np.asarray(x), np.asarray(y)))
 
 
+def _integral(a: Any) -> bool:
+    """Whether ``a`` is an integer or boolean variable."""
+    return not compat.is_literal(a) and not batch_scaling.is_float(a)
+
+
+def _unfollowed(v: Any, origin: Any, nmb: int) -> ValueError:
+    return ValueError(
+        f"The loss function reads a figure of the batch ({v.aval.str_short()}) made at "
+        f"{compat.source_line(origin)} ({str(origin).splitlines()[0]!r}), where autopar cannot "
+        f"tell how it scales with the batch (a loop whose carries neither add up nor settle). With "
+        f"num_microbatches={nmb} each microbatch would make its own from its examples, not the "
+        "whole batch's. Make it with jnp reductions (jnp.sum of a mask), pass it to the step "
+        "outside the batch, or use num_microbatches=1."
+    )
+
+
+def _integer_count(v: Any, origin: Any, nmb: int) -> ValueError:
+    return ValueError(
+        f"The loss function reads an integer figure of the batch ({v.aval.str_short()}, a count "
+        f"over its examples made at {compat.source_line(origin)}: "
+        f"{str(origin).splitlines()[0]!r}). With num_microbatches={nmb} it is made once from the "
+        "whole batch and each microbatch reads its share, which is no integer. Cast it to float "
+        "where it is made (jnp.bincount(y, length=n).astype(jnp.float32)), or use "
+        "num_microbatches=1."
+    )
+
+
 def _draws(e: Any) -> bool:
     """Whether ``e`` or an equation in its bodies draws random values."""
     return e.primitive.name.startswith(_DRAWS) or any(_draws(q) for b in compat.bodies(e) for q in b.eqns)
@@ -382,16 +338,16 @@ def _made_once(
         outs = tuple(None if compat.is_dropvar(w) else (w, None) for w in t.outvars)
         ops.append(Op(kind="eqn", eqn=t, ins=ins, outs=outs))
     values: dict[Any, Key] = {}
-    shares = set()
+    shares = {}
     for v, degree in degrees.items():
         if degree == 0.0:
             values[v] = (name(twin[v]), None)
             continue
-        shares.add(v)
+        shares[v] = degree
         share = compat.Var(v.aval)
         scale = float(nmb) ** degree
         ops.append(
             Op(kind="acc", mode="mean", ins=((name(twin[v]), None),), outs=((share, None),), divisor=scale)
         )
         values[v] = (share, None)
-    return Statistics(values, tuple(ops), frozenset(shares))
+    return Statistics(values, tuple(ops), shares)

@@ -21,6 +21,7 @@ from autopar._src import (
     example_mixing,
     example_order,
     region_outputs,
+    share_scaling,
     trace,
     twin_traces,
     whole_batch,
@@ -85,7 +86,7 @@ def per_example_outputs(
     example_mixing.require_examples_apart_in_loss(step, whole, num_microbatches, set(stats.values))
     example_order.require_batch_order_in_loss(step, whole, num_microbatches, set(stats.values))
     averaged = [i for i in range(1 + num_aux) if i not in dims]
-    batch_statistics.require_linear_in_shares(step, stats, averaged)
+    share_scaling.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures)
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches)
     return dims, stats
