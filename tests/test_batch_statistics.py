@@ -50,6 +50,10 @@ LOSSES = {
     "class-balanced": lambda ce, mask, y: (
         jnp.sum(ce * mask / jnp.maximum(_class_counts(mask, y), 1.0)[jnp.where(mask, y, 0)]) / 10
     ),
+    # Figures of a degree that is not a whole number: made in each microbatch from the count's share.
+    "square roots of the count": lambda ce, mask, y: (
+        jnp.sum(ce * mask) / jnp.sqrt(jnp.sum(mask)) / jnp.sqrt(jnp.sum(mask))
+    ),
     # Class weights gathered from a constant table (a closed-over array is a constant of the step).
     "class weights": lambda ce, mask, y: (
         jnp.sum(ce * jnp.asarray(CLASS_WEIGHTS)[jnp.where(mask, y, 0)] * mask)
@@ -374,12 +378,12 @@ def test_a_padded_language_model_with_nested_jits_equals_jit_over_microbatches()
 
 
 def test_values_made_from_a_share_are_monomials_in_its_scale_or_refused():
-    # n: a share of degree 1 (a count); l: the examples' losses; y: their classes.
-    def made(n, l, y):
-        per_class = l / n[y]  # mu ** -1
+    # n: a share of degree 1 (a count); losses: the examples'; y: their classes.
+    def made(n, losses, y):
+        per_class = losses / n[y]  # mu ** -1
         total = jnp.sum(per_class)
         zeros = jnp.zeros(3).at[y].add(per_class)  # scattered into zeros: as what it scatters
-        mixed = jnp.mean(l) + total  # degrees 0 and -1: read linearly only
+        mixed = jnp.mean(losses) + total  # degrees 0 and -1: read linearly only
         return total, zeros / n, mixed * 2.0, n[y] > 0.0, jnp.exp(total), n[0] / mixed, n[y] > 2.0
 
     closed = jax.make_jaxpr(made)(jnp.ones(3), jnp.ones(4), jnp.zeros(4, jnp.int32))

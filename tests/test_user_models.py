@@ -14,6 +14,8 @@ against ``jax.jit``.
   ``MultiHeadDotProductAttention``, and a per-example flip by ``lax.map`` before the loss.
 - A recommender: multi-hot bags of an embedding table pooled by ``segment_sum``, a dot
   interaction, Adagrad.
+- A speech recogniser: a convolution, a bidirectional GRU and ``optax.ctc_loss`` (a scan over
+  the frames).
 - A rematerialised ``nn.scan`` stack (unrolled by two) that saves only a named value
   (``save_only_these_names`` and ``checkpoint_name``).
 - FNet: token mixing by a 2-D Fourier transform.
@@ -385,6 +387,42 @@ def test_a_recommender_pooling_embedding_bags_equals_jit():
 
     clicks = lambda rng: rng.integers(0, 2, 8).astype(np.float32)  # noqa: E731
     _check(step, state, _batches(5, dense=_normal(8, 4), ids=_ints(100, 8, 3), click=clicks), "sgd")
+
+
+# --- a speech recogniser trained with CTC
+
+
+class Recogniser(nn.Module):
+    @nn.compact
+    def __call__(self, frames):
+        x = jax.nn.gelu(nn.Conv(D, (3,))(frames))
+        x = nn.Bidirectional(nn.RNN(nn.GRUCell(D)), nn.RNN(nn.GRUCell(D)))(x)
+        x = jax.nn.gelu(nn.Dense(D)(x))
+        return nn.Dense(8)(x)  # 7 letters and the blank
+
+
+def test_a_speech_recogniser_trained_with_ctc_equals_jit():
+    # optax.ctc_loss runs a scan over the frames, reading each frame of every example.
+    state = _train(Recogniser(), optax.adam(1e-2), jnp.zeros((8, 12, 5)))
+
+    @_state_step
+    def step(p, batch):
+        logits = state.apply_fn({"params": p}, batch["frames"])
+        return optax.ctc_loss(logits, batch["frame_pad"], batch["labels"], batch["label_pad"]).mean()
+
+    def padding(length, low):
+        return lambda rng: (np.arange(length)[None] >= rng.integers(low, length + 1, (8, 1))).astype(
+            np.float32
+        )
+
+    batches = _batches(
+        7,
+        frames=_normal(8, 12, 5),
+        frame_pad=padding(12, 8),
+        labels=lambda rng: rng.integers(1, 8, (8, 4)).astype(np.int32),
+        label_pad=padding(4, 1),
+    )
+    _check(step, state, batches, "adamw")
 
 
 # --- a remat policy that saves one named value

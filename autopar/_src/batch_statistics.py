@@ -30,8 +30,8 @@ computes ``num_microbatches * sum_j(l * m) / sum(m)``. One of degree ``d`` is di
 example's value (degree zero) is handed over as it is, integers and booleans too (``n > 0``).
 An integer one of another degree (``jnp.bincount(y)``) has no integer share, and one made where
 the check does not follow how it scales (a loop whose carries neither add up nor settle) none
-known: both are errors. One whose degree is not a whole number is left to each microbatch (the
-loss made from it is not a mean, which :mod:`~autopar._src.region_outputs` refuses).
+known: both are errors. One whose degree is not a whole number (``sqrt(sum(m))``) is made by each
+microbatch from the shares of the statistics it is made from.
 """
 
 from __future__ import annotations
@@ -160,16 +160,26 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     # Boundaries pass values on as they are (a count made before a cut, cast after it).
     theirs = {id(e): t for e, t in zip(rj.eqns, rw.eqns, strict=True) if not layers.is_boundary(e)}
     scalings = {**pre.scalings, **batch_scaling.scalings(rj.eqns, theirs, tainted, nmb, pre.given)}
+    # A figure whose degree is not a whole number (``sqrt(sum(m))``) has no share of the whole
+    # batch's figure that scales like the microbatch's: the figures it is made from are statistics
+    # in its place, and each microbatch makes it from their shares.
+    making = {v: (e, is_statistic) for e in rj.eqns if not layers.is_boundary(e) for v in e.outvars}
+    making.update((v, (e, is_statistic_before)) for e in step.jaxpr.eqns[:at] for v in e.outvars)
     degrees = {}
-    for v in [*found, *found_before]:
+    pending = [*found, *found_before]
+    while pending:
+        v = pending.pop()
         s = scalings.get(v)
         if s is not None and s.unknown:
             raise _unfollowed(v, s.origin, nmb)
         degree = 0.0 if s is None or s.extreme else s.degree
-        if float(degree).is_integer():
-            if degree and not batch_scaling.is_float(v):
-                raise _integer_count(v, s.origin if s is not None else None, nmb)
-            degrees[v] = degree
+        if not float(degree).is_integer():
+            e, figure = making.get(outer.get(v, v), (None, is_statistic))
+            pending.extend(a for a in (e.invars if e is not None else ()) if figure(a))
+            continue
+        if degree and not batch_scaling.is_float(v):
+            raise _integer_count(v, s.origin if s is not None else None, nmb)
+        degrees[v] = degree
     return _made_once(step, whole, {**pre.twin, **twin}, degrees, nmb, pre.fixed) if degrees else NONE
 
 

@@ -193,13 +193,20 @@ class _Walk(sort_permutations.Orders):
         used: set[int] | None = None if checked else set()
         loop, twin = compat.scan_loop(e), compat.scan_loop(other)
         if loop is not None and twin is not None:
-            self._loop(loop.body, twin.body, e.invars, loop.num_consts, loop.num_carry, e.outvars, used)
+            results = (e.outvars, other.outvars)
+            self._loop(loop.body, twin.body, e.invars, loop.num_consts, loop.num_carry, results, used)
             return True
         found, found_twin = compat.while_body(e), compat.while_body(other)
         if found is not None and found_twin is not None:
             (body, skip), carries = found, len(e.outvars)
             self._loop(
-                body, found_twin[0], e.invars[skip:], len(body.invars) - carries, carries, e.outvars, used
+                body,
+                found_twin[0],
+                e.invars[skip:],
+                len(body.invars) - carries,
+                carries,
+                (e.outvars, other.outvars),
+                used,
             )
             return True
         branches, twins = compat.cond_branches(e), compat.cond_branches(other)
@@ -225,13 +232,16 @@ class _Walk(sort_permutations.Orders):
         operands: Sequence[Any],
         num_consts: int,
         num_carry: int,
-        outvars: Sequence[Any],
+        outvars: tuple[Sequence[Any], Sequence[Any]],
         used: set[int] | None,
     ) -> None:
+        """Walks a loop's ``body`` (``twin``: at the whole batch), its carries again until their
+        orders settle. ``outvars``: the loop's results and their twins."""
         carried = slice(num_consts, num_consts + num_carry)
         ins = list(operands)
         for _ in range(4):  # a sort's order is the sort equation's: settled by the second pass
             self._enter(body.invars, ins)
+            self._redim(body.invars, twin.invars)  # a scanned array's slice has a dim less
             self.run(body.eqns, twin.eqns, used)
             if all(
                 self.of(a) == self.of(b) and self._perm_of(a) == self._perm_of(b)
@@ -239,7 +249,13 @@ class _Walk(sort_permutations.Orders):
             ):
                 break
             ins[carried] = body.outvars[:num_carry]
-        self._enter(outvars, body.outvars)
+        self._enter(outvars[0], body.outvars)
+        self._redim(*outvars)  # a scan's stacked results have a dim more
+
+    def _redim(self, into: Sequence[Any], twins: Sequence[Any]) -> None:
+        for v, w in zip(into, twins, strict=True):
+            if not compat.is_literal(v):
+                self.dims[v] = per_example_dims(v, w, self.nmb)
 
     def _enter(self, into: Sequence[Any], values: Sequence[Any]) -> None:
         """Gives each variable of ``into`` the order, permutation, constant value and whether it
