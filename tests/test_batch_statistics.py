@@ -45,6 +45,7 @@ LOSSES = {
     "guarded by a threshold": lambda ce, mask, y: jnp.where(
         jnp.sum(mask) > 30, jnp.sum(ce * mask) / jnp.sum(mask), 0.0
     ),
+    "guarded by a cond": lambda ce, mask, y: _guarded(ce, mask, jnp.sum(mask, dtype=jnp.float32)),
     # Each class weighed by the inverse of its count in the batch (jnp.bincount: a scatter-add),
     # the share gathered per token.
     "class-balanced": lambda ce, mask, y: (
@@ -61,6 +62,11 @@ LOSSES = {
     ),
 }
 CLASS_WEIGHTS = np.linspace(1.0, 4.0, 10, dtype=np.float32)
+
+
+def _guarded(ce, mask, n, shift=0.0):
+    """A masked mean (of ``n`` tokens, plus ``shift``), 0 for no tokens."""
+    return jax.lax.cond(n > 0, lambda: jnp.sum(ce * mask) / (n + shift), lambda: 0.0)
 
 
 def _class_counts(mask, y, dtype=jnp.float32):
@@ -291,6 +297,25 @@ REFUSED = {
     "share shifted": (
         lambda ce, mask, y: jnp.sum(ce * mask / (_class_counts(mask, y)[jnp.where(mask, y, 0)] + 1.0)) / 10,
         "applies div",
+    ),
+    # ... also inside a cond's branch.
+    "share shifted in a cond": (
+        lambda ce, mask, y: _guarded(ce, mask, jnp.sum(mask, dtype=jnp.float32), shift=1.0),
+        "applies cond",
+    ),
+    # An integer count cast inside a cond's branch.
+    "count cast in a cond": (lambda ce, mask, y: _guarded(ce, mask, jnp.sum(mask)), "integer figure"),
+    # A count made inside a cond's branch: each microbatch's own.
+    "count made in a cond": (
+        lambda ce, mask, y: jax.lax.cond(
+            jnp.sum(mask) > 0, lambda: jnp.sum(ce * mask) / jnp.sum(mask), lambda: 0.0
+        ),
+        "inside a cond",
+    ),
+    # ... or inside jax.checkpoint.
+    "count made in a checkpoint": (
+        lambda ce, mask, y: jax.checkpoint(lambda c, m: jnp.sum(c * m) / jnp.sum(m))(ce, mask),
+        "inside a (remat|checkpoint)",
     ),
     # A figure made in a loop whose carry neither adds up nor settles: how it scales is unknown.
     "unfollowed loop": (

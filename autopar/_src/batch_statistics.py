@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar._src import batch_scaling, compat, dependence, layers, whole_batch
+from autopar._src import batch_scaling, compat, dependence, layers, nested_figures, whole_batch
 from autopar._src.batch_scaling import Found
 from autopar._src.program import Key, Op
 from autopar._src.trace import TracedStep
@@ -123,6 +123,8 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             values.update(
                 e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f]
             )
+
+    nested_figures.require_none(rj.eqns, rw.eqns, tainted, bound, nmb)
 
     def is_statistic(a: Any) -> bool:
         return (

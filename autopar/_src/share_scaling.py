@@ -180,6 +180,15 @@ def _alike(found: Mapping[Any, Any], operands: Sequence[Any]) -> Any:
     return ds.pop() if ds else 0.0
 
 
+def _alike_in(walked: Sequence[tuple[Mapping[Any, Any], Sequence[Any]]], k: int) -> Any:
+    """The one degree of the ``k``-th results of a ``cond``'s branches (``walked``: each branch's
+    degrees and results), :data:`MIXED` where they differ."""
+    ds = {_of(inner, outs[k]) for inner, outs in walked if not _zero(inner, outs[k])}
+    if MIXED in ds or len(ds) > 1:
+        return MIXED
+    return ds.pop() if ds else 0.0
+
+
 def _monomial(found: Mapping[Any, Any], operands: Sequence[Any]) -> float:
     d = _alike(found, operands)
     if d == MIXED:
@@ -237,6 +246,18 @@ def _eqn(e: Any, found: Mapping[Any, Any]) -> list[Any]:
         if refused:
             raise Nonlinear
         return [_of(inner, v) for v in body.outvars]
+    branches = compat.cond_branches(e)
+    if branches is not None and _of(found, ins[0]) == 0.0 and not any(c for _, c in branches):
+        # A cond on what no share scales (or a comparison with 0): each branch's results.
+        walked = []
+        for body, _ in branches:
+            inner, refused = degrees(
+                body.eqns, {v: _of(found, a) for v, a in zip(body.invars, ins[1:], strict=True)}
+            )
+            if refused:
+                raise Nonlinear
+            walked.append((inner, body.outvars))
+        return [_alike_in(walked, k) for k in range(n)]
     # Anything else (a transcendental function, a loop): only of values no share scales.
     if any(_of(found, a) != 0.0 for a in ins):
         raise Nonlinear
