@@ -48,13 +48,13 @@ def _step(on_logits=lambda z: z, on_losses=jnp.mean, aux=None):
     return step
 
 
-def _scattered_back(z):
-    order = jnp.argsort(z[:, 0])
+def _scattered_back(z, descending=False):
+    order = jnp.argsort(z[:, 0], descending=descending)
     return jnp.zeros_like(z).at[order].set(2.0 * jnp.tanh(z[order]))
 
 
-def _gathered_back(z):
-    order = jnp.argsort(z[:, 0])
+def _gathered_back(z, descending=False):
+    order = jnp.argsort(z[:, 0], descending=descending)
     return (2.0 * jnp.tanh(z[order]))[jnp.argsort(order)]
 
 
@@ -146,6 +146,10 @@ def _einsum3(z):
             on_logits=lambda z: jax.lax.scan(lambda c, _: (_scattered_back(c), None), z, None, length=2)[0]
         ),
         _step(on_losses=lambda losses: jnp.sort(losses).mean()),  # a mean in any order
+        # Sorted descending: keys and row numbers reversed, then the positions.
+        _step(on_logits=lambda z: _scattered_back(z, descending=True)),
+        _step(on_logits=lambda z: _gathered_back(z, descending=True)),
+        _step(on_losses=lambda losses: jnp.sort(losses, descending=True).mean()),
     ],
     ids=[
         "top2-dropless",
@@ -160,6 +164,9 @@ def _einsum3(z):
         "scattered-back-in-jit",
         "scattered-back-in-scan",
         "sorted-mean",
+        "descending-scattered-back",
+        "descending-gathered-by-the-inverse",
+        "descending-sorted-mean",
     ],
 )
 def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatches(step):
@@ -214,6 +221,8 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
             ),
             "gather",
         ),
+        # Rows sorted descending against the same rows sorted ascending: the smallest with the largest.
+        (_step(on_logits=lambda z: (lambda o: z[o] + z[o[::-1]])(jnp.argsort(z[:, 0]))), "add"),
         # Rows put back by another sort's permutation.
         (
             _step(
@@ -232,6 +241,7 @@ def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatche
         "weight-per-rank",
         "shifted-permutation",
         "remainders",
+        "descending-against-ascending",
         "another-sorts-order",
     ],
 )
@@ -240,6 +250,21 @@ def test_sorted_rows_meeting_another_order_are_an_error_with_microbatches(step, 
         step,
         rf"sorts the examples \(at .*test_example_order.*sort\[.*combines them.*({meets})"
         r".*num_microbatches=1",
+    )
+
+
+def _sorted_reversed_with_rows_in_order(z):
+    """Keys reversed along the batch, sorted with row numbers that are not: the permutation numbers
+    the reversed rows, and gathers the batch's by it."""
+    _, order = jax.lax.sort((jnp.flip(z[:, 0]), jnp.arange(z.shape[0])), num_keys=1)
+    return jnp.zeros_like(z).at[order].set(jnp.tanh(z[order]))
+
+
+def test_keys_reversed_and_sorted_with_row_numbers_in_order_are_an_error_with_microbatches():
+    _assert_refused_with_microbatches(
+        _step(on_logits=_sorted_reversed_with_rows_in_order),
+        r"reverses the rows \(at .*test_example_order.*rev\[.*reads them in that order \(at .*"
+        r"(gather|scatter).*num_microbatches=4",
     )
 
 

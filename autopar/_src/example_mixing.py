@@ -213,7 +213,7 @@ def _mixing(
         return e if len(twin_traces.shape_of(e.invars[0])) - 1 in operand else None
     if not within and (any(len(d) < most_in for d in outs) or any(len(d) > most_in for d in outs)):
         return e  # reduced over the examples, or every example against every other
-    if within and name == "sort":
+    if within and name in ("sort", "rev"):  # what reads reversed rows: example_order
         return None
     if name in _ALONG:
         dims = p[_ALONG[name]]

@@ -116,6 +116,7 @@ class _Walk(sort_permutations.Orders):
             return
         if self._control(e, other, checked):
             return
+        name = e.primitive.name
         ins = [
             not compat.is_literal(a) and bool(per_example_dims(a, b, self.nmb))
             for a, b in zip(e.invars, other.invars, strict=True)
@@ -123,7 +124,11 @@ class _Walk(sort_permutations.Orders):
         for v, w in zip(e.outvars, other.outvars, strict=True):
             self.dims[v] = per_example_dims(v, w, self.nmb)
         outs = [bool(self.dims[v]) for v in e.outvars]
-        name = e.primitive.name
+        if name == "rev" and set(e.params["dimensions"]) & per_example_dims(
+            e.invars[0], other.invars[0], self.nmb
+        ):
+            self._reverse(e)
+            return
         if twin_traces.reads_the_batch(e, self.read):
             self.read.update(v for v in e.outvars if twin_traces.whole_number(v))
         if name == "convert_element_type" and (k := self.constant(e.invars[0])) is not None:
@@ -274,6 +279,8 @@ class _Walk(sort_permutations.Orders):
                 self.read.add(v)
             if not compat.is_literal(a) and a in self.positions:
                 self.positions.add(v)
+            if not compat.is_literal(a) and a in self.flipped:
+                self.flipped[v] = self.flipped[a]
 
     def _refuse_renumbered(self, e: Any) -> None:
         """Raises where ``e`` compares integers read from the batch with the rows' numbers."""
@@ -287,6 +294,8 @@ class _Walk(sort_permutations.Orders):
                 continue
             if v in self.positions or self.perm.get(v) is not None or self.of(v) == ROWS:
                 raise order_errors.positions_returned(i - 1)
+            if self.of(v) in self.flips and self.of(v) not in self.sorts:
+                raise order_errors.positions_returned(i - 1)  # the batch's rows reversed
             if self.of(v) in self.sorts:
                 raise order_errors.sorted_returned(i - 1, self.sorts[self.of(v)])
             if self._layout(v)[0] == "tiled":

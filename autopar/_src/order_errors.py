@@ -68,6 +68,18 @@ def positions(e: Any, at: str) -> ValueError:
     )
 
 
+def reversed_rows(e: Any, at: str, flip: Any, flipped_at: str, nmb: int) -> ValueError:
+    """``e`` reads rows reversed along the batch by ``flip`` other than to sort them."""
+    return ValueError(
+        f"The loss function takes examples by their place in the batch: it reverses the rows (at "
+        f"{flipped_at}: {_first(flip)}) and reads them in that order (at {at}: {_first(e)}), as "
+        f"mixup's partner `jnp.flip(x, 0)`. With num_microbatches={nmb} each microbatch reverses "
+        "only its own rows, so the partners would not be the whole batch's. Rows reversed to be "
+        "sorted (`jnp.argsort(x, descending=True)`) are followed. Pick partners in the data "
+        "pipeline and pass them in the batch, or use num_microbatches=1."
+    )
+
+
 def positions_returned(aux: int) -> ValueError:
     """Aux output ``aux`` holds the rows' positions in their microbatch."""
     return ValueError(

@@ -83,6 +83,12 @@ class Orders:
         """The first equation that places rows by their position along the batch (a slice's
         transpose, a ``pad``) where the two traces are paired around differences: a Python loop
         over the rows makes one per row."""
+        self.flipped: dict[Any, Any] = {}
+        """Row numbers (an ``iota``) reversed along the batch -> the ``rev`` equation: in a sort
+        with rows reversed alike (``jnp.argsort(x, descending=True)``) they number the rows before
+        the reversal."""
+        self.flips: dict[Any, Any] = {}
+        """Each reversed order of rows -> the first ``rev`` equation that made it."""
         self.outer = "a line JAX did not record"
         """The line of the innermost loop or call being walked, for equations without their own."""
 
@@ -162,6 +168,28 @@ class Orders:
         perms = {self.perm.get(a) for a, per in zip(e.invars, ins, strict=True) if per and integer(a)}
         return perms.pop() if len(perms) == 1 else None
 
+    def _reverse(self, e: Any) -> None:
+        """``rev`` along the batch: rows of an order come out in its reverse (a sort's: a
+        descending sort's; the batch's: mixup's ``jnp.flip(x, 0)``, which meets nothing in the
+        batch's order), their permutation too; row numbers reversed (:attr:`flipped`)."""
+        a, v = e.invars[0], e.outvars[0]
+        order, perm = self.of(a), self._perm_of(a)
+        self.layout[v] = self._layout(a)
+        if order in (None, ANY):
+            self._set(v, order, None)
+        elif order == ROWS:
+            self._set(v, ROWS, None)
+            if a in self.span:
+                self.span[v] = self.span[a]
+            if a not in self.flipped:
+                self.flipped[v] = e
+        else:
+            flipped = _flip(order)
+            if order in self.sorts:
+                self.sorts[flipped] = self.sorts[order]
+            self.flips.setdefault(flipped, e)
+            self._set(v, flipped, None if perm is None else dataclasses.replace(perm, dst=_flip(perm.dst)))
+
     def _sort(self, e: Any, checked: bool) -> None:
         keys = e.invars[: e.params.get("num_keys", 1)]
         key_perm = self._perm_of(keys[0]) if len(keys) == 1 else None
@@ -177,7 +205,11 @@ class Orders:
             data = [a for a in e.invars if self.of(a) not in (ROWS, None, ANY)]
             made = Perm(src, id(e), rows, self._layout(data[0]) if data else row_layout.PLAIN)
         for a, v in zip(e.invars, e.outvars, strict=True):
-            self._set(v, made.dst, made if self.of(a) == ROWS else None)
+            # Row numbers reversed with the rows they are sorted with number the rows before
+            # (``jnp.argsort(x, descending=True)``: the batch's).
+            flipped = not compat.is_literal(a) and a in self.flipped
+            numbers = dataclasses.replace(made, src=_flip(made.src)) if flipped else made
+            self._set(v, made.dst, numbers if self.of(a) == ROWS else None)
 
     def picks_no_example(self, e: Any, other: Any) -> bool:
         """Whether ``e`` is a gather or scatter whose indices pick along no per-example dim."""
@@ -290,6 +322,9 @@ class Orders:
             raise order_errors.rows_not_numbered(e, self.line(e), sort, rows[0], perm.rows)
 
     def _refuse(self, e: Any, orders: set[Any]) -> None:
+        flip = next((self.flips[o] for o in orders if o not in self.sorts and o in self.flips), None)
+        if flip is not None:  # the batch's rows reversed
+            raise order_errors.reversed_rows(e, self.line(e), flip, self.line(flip), self.nmb)
         sorts = [self.sorts[o] for o in sorted(orders, key=str) if o in self.sorts]
         if not sorts:
             raise self._positions(e)
@@ -300,6 +335,11 @@ class Orders:
         if self.placed is not None:
             return order_errors.placed_by_position(e, self.line(e), self.placed, self.line(self.placed))
         return order_errors.positions(e, self.line(e))
+
+
+def _flip(order: Any) -> Any:
+    """The reverse of a sort's order: rows sorted descending."""
+    return order[1] if isinstance(order, tuple) and order[0] == "reversed" else ("reversed", order)
 
 
 def floating(v: Any) -> bool:
