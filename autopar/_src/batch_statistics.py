@@ -142,7 +142,8 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             found.update((a, None) for a in e.invars if is_statistic(a) and not _integral(a))
         elif not all(is_statistic(v) for v in e.outvars if not compat.is_dropvar(v)):
             found.update((a, None) for a in e.invars if is_statistic(a))
-    found.update((a, None) for a in rj.outvars if is_statistic(a))
+    # An integer aux output cannot be averaged whatever it is: region_outputs says so.
+    found.update((a, None) for a in rj.outvars if is_statistic(a) and not _integral(a))
 
     # The same before the region: a figure there that meets the examples (x.mean(0) in x - x.mean(0)).
     def is_statistic_before(a: Any) -> bool:
