@@ -58,6 +58,19 @@ def _gathered_back(z, descending=False):
     return (2.0 * jnp.tanh(z[order]))[jnp.argsort(order)]
 
 
+def _sorted_twice(z):
+    """A router's experts argsorted once to gather the rows and once more to scatter them back."""
+    expert = jnp.argmax(z[:, :4], -1)
+    return jnp.zeros_like(z).at[jnp.argsort(expert)].set(jnp.tanh(z[jnp.argsort(expert)]))
+
+
+def _sorted_and_argsorted(z):
+    """A key's values sorted (``jnp.sort``) and put back by its ``jnp.argsort``."""
+    key = z[:, 0]
+    back = jnp.zeros_like(key).at[jnp.argsort(key)].set(jnp.tanh(jnp.sort(key)))
+    return z + back[:, None]
+
+
 _EXPERTS = jax.random.normal(jax.random.key(0), (4, 10, 10)) * 0.3
 _ROUTER = jax.random.normal(jax.random.key(1), (10, 4))
 
@@ -150,6 +163,9 @@ def _einsum3(z):
         _step(on_logits=lambda z: _scattered_back(z, descending=True)),
         _step(on_logits=lambda z: _gathered_back(z, descending=True)),
         _step(on_losses=lambda losses: jnp.sort(losses, descending=True).mean()),
+        # The same keys sorted twice, by two sort equations: one order.
+        _step(on_logits=_sorted_twice),
+        _step(on_logits=_sorted_and_argsorted),
     ],
     ids=[
         "top2-dropless",
@@ -167,6 +183,8 @@ def _einsum3(z):
         "descending-scattered-back",
         "descending-gathered-by-the-inverse",
         "descending-sorted-mean",
+        "argsorted-twice",
+        "sorted-and-argsorted",
     ],
 )
 def test_rows_sorted_and_put_back_in_the_batchs_order_equal_jit_with_microbatches(step):

@@ -87,6 +87,8 @@ class Orders:
         """Row numbers (an ``iota``) reversed along the batch -> the ``rev`` equation: in a sort
         with rows reversed alike (``jnp.argsort(x, descending=True)``) they number the rows before
         the reversal."""
+        self.sorted_alike: dict[tuple[Any, ...], int] = {}
+        """What each sort sorts (:meth:`_sorting`) -> the order of the first to sort it."""
         self.flips: dict[Any, Any] = {}
         """Each reversed order of rows -> the first ``rev`` equation that made it."""
         self.outer = "a line JAX did not record"
@@ -201,15 +203,34 @@ class Orders:
         else:
             src = self._common(e, [a for a in e.invars if self.of(a) != ROWS], checked)
             src = BATCH if src in (ANY, ROWS) else src
-            self.sorts[id(e)] = (e, self.line(e))
+            # Two sorts of the same values (``jnp.argsort(expert)`` called twice) give one order.
+            dst = self.sorted_alike.setdefault(self._sorting(e), id(e))
+            self.sorts.setdefault(dst, (e, self.line(e)))
             data = [a for a in e.invars if self.of(a) not in (ROWS, None, ANY)]
-            made = Perm(src, id(e), rows, self._layout(data[0]) if data else row_layout.PLAIN)
+            made = Perm(src, dst, rows, self._layout(data[0]) if data else row_layout.PLAIN)
         for a, v in zip(e.invars, e.outvars, strict=True):
             # Row numbers reversed with the rows they are sorted with number the rows before
             # (``jnp.argsort(x, descending=True)``: the batch's).
             flipped = not compat.is_literal(a) and a in self.flipped
             numbers = dataclasses.replace(made, src=_flip(made.src)) if flipped else made
             self._set(v, made.dst, numbers if self.of(a) == ROWS else None)
+
+    def _sorting(self, e: Any) -> tuple[Any, ...]:
+        """What decides the order ``e`` sorts in: a stable sort's keys (an ``iota`` along the
+        examples by what it numbers: each ``jnp.argsort`` makes its own) and dimension; the
+        other operands are only carried along."""
+
+        def operand(a: Any) -> Any:
+            if compat.is_literal(a):
+                return ("literal", str(a))
+            if self.of(a) == ROWS and a not in self.perm:
+                return ("rows", a in self.flipped, self.span.get(a), str(a.aval))
+            return a
+
+        if not e.params.get("is_stable", False):  # ties broken as the sort goes
+            return (id(e),)
+        keys = e.invars[: e.params.get("num_keys", 1)]
+        return (e.params["dimension"], *map(operand, keys))
 
     def picks_no_example(self, e: Any, other: Any) -> bool:
         """Whether ``e`` is a gather or scatter whose indices pick along no per-example dim."""
