@@ -417,3 +417,30 @@ def test_values_made_from_a_share_are_monomials_in_its_scale_or_refused():
     assert [found.get(v) for v in outs[:4]] == [-1.0, -2.0, share_scaling.MIXED, 0.0]
     assert all(v not in found for v in outs[4:])  # exp, divided by a sum, compared with 2
     assert sorted(e.primitive.name for e in refused.values()) == ["div", "exp", "gt"]
+
+
+def test_a_figure_of_the_inputs_returned_as_aux_is_the_whole_batchs():
+    # The inputs' maximum and the padding's share: made once from the whole batch and read whole
+    # by every microbatch, so their average is the batch's (each microbatch's own would differ).
+    _, state, batches = _setup(LOSSES["masked mean"])
+
+    def step(state, batch):
+        def loss_fn(params):
+            mask = batch["y"] != -100
+            logits = state.apply_fn({"params": params}, batch["x"])
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, batch["y"], 0))
+            figures = {"largest input": jnp.max(jnp.abs(batch["x"])), "padding": jnp.mean(~mask)}
+            return jnp.sum(ce * mask) / jnp.sum(mask), figures
+
+        (loss, figures), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), (loss, figures)
+
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=MICROBATCHES)
+    for batch in batches:
+        got, want = par(state, batch)[1][1], jax.jit(step)(state, batch)[1][1]
+        for name in want:
+            np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), **TOLERANCES["sgd"])
+    first = {k: a[: BATCH // MICROBATCHES] for k, a in batches[0].items()}
+    assert float(jax.jit(step)(state, first)[1][1]["largest input"]) < float(
+        jax.jit(step)(state, batches[0])[1][1]["largest input"]
+    )  # a microbatch's own maximum is not the batch's

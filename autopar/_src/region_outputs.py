@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -184,12 +184,19 @@ def _addition_tree(
 
 
 def require_combinable(
-    step: TracedStep, whole: TracedStep, batch_ids: Sequence[int], per_example: Mapping[int, int], nmb: int
+    step: TracedStep,
+    whole: TracedStep,
+    batch_ids: Sequence[int],
+    per_example: Mapping[int, int],
+    nmb: int,
+    whole_figures: Set[Any] = frozenset(),
 ) -> None:
     """Checks that every aux output reduced over the batch can be combined from microbatches:
     an integer, boolean or key one (the first microbatch's) reads nothing of the examples, and
     none reads the batch's shape (an examples-seen counter in a module's state). ``whole`` is
     the step traced at the whole batch, compared equation by equation (layer boundaries aside).
+    ``whole_figures``: statistics every microbatch reads whole (:mod:`~autopar._src.batch_statistics`,
+    of degree 0: the inputs' maximum), whose average is the whole batch's value: not checked.
 
     Raises:
       ValueError: naming the aux output and the source line.
@@ -241,7 +248,7 @@ def require_combinable(
     combined: dict[Any, int] = {}  # aux outputs reduced over the batch: their index
     for i in range(1, 1 + num_aux):
         rv = rj.outvars[i]
-        if i in per_example or compat.is_literal(rv):
+        if i in per_example or compat.is_literal(rv) or _before_boundaries(rj, rv) in whole_figures:
             continue
         if not batch_scaling.is_float(rv) and rv in tainted:
             raise ValueError(
