@@ -210,7 +210,7 @@ def _eqn(e: Any, found: Mapping[Any, Any]) -> list[Any]:
     if name in _SUMMING:
         return [_alike(found, ins)] * n
     if name == "select_n":
-        if _of(found, ins[0]) not in (0.0,):
+        if _of(found, ins[0]) != 0.0:
             raise Nonlinear
         return [_alike(found, ins[1:])] * n
     if name in _ORDERING:
