@@ -110,16 +110,14 @@ def require_linear_in_shares(step: TracedStep, stats: Statistics, averaged: Sequ
             )
 
 
-def degrees(
-    eqns: Sequence[Any], given: Mapping[Any, Any], backward: set[Any] | None = None
-) -> tuple[dict[Any, Any], dict[int, Any]]:
+def degrees(eqns: Sequence[Any], given: Mapping[Any, Any]) -> tuple[dict[Any, Any], dict[int, Any]]:
     """The degree in ``mu`` of each value of ``eqns`` made from a share (``given``: the shares'
     degrees): a float for a monomial, :data:`MIXED` for a sum of them. Returns them and the
     equations that combine them otherwise (``id`` -> the equation), whose results are left out.
-    ``backward``: values made from the backward's cotangent seed, grown and skipped."""
+    What the backward's cotangent seed makes is skipped."""
     found: dict[Any, Any] = dict(given)
     refused: dict[int, Any] = {}
-    backward = set() if backward is None else backward
+    backward: set[Any] = set()
     for e in eqns:
         ins = [a for a in e.invars if not compat.is_literal(a)]
         outs = [v for v in e.outvars if not compat.is_dropvar(v)]
@@ -141,7 +139,7 @@ def degrees(
         except Nonlinear:
             refused[id(e)] = e
             continue
-        found.update((v, d) for v, d in zip(e.outvars, made, strict=True) if d is not None)
+        found.update(zip(e.outvars, made, strict=True))
     return found, refused
 
 
