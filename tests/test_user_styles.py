@@ -10,7 +10,8 @@
   keeps the scale in its state, skips non-finite updates (``optax.apply_if_finite``), decays a
   masked subset of the weights, and keeps an exponential moving average of the parameters.
 - A dropless mixture of experts in MaxText's style: tokens sorted by expert, counted with
-  ``bincount`` and multiplied by their experts' weights with ``lax.ragged_dot``.
+  ``bincount`` and multiplied by their experts' weights with ``lax.ragged_dot``; and a student
+  distilled from a frozen one, its forward inside the loss function under ``stop_gradient``.
 - An NNX step written for ``nnx.jit``: it updates the model, its optimizer and its metrics in
   place and returns the loss.
 - Sharpness-aware minimization: a gradient at weights moved along another gradient.
@@ -316,6 +317,66 @@ def test_a_dropless_mixture_of_experts_equals_jit_over_stages_and_microbatches()
     step, state, batches = _dropless(hidden=2 * D, layers=4, batch=8)
     par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
     assert len(par.plan(state, batches[0]).stages) == 2
+
+
+class Distilled(train_state.TrainState):
+    teacher: dict
+
+
+def _distillation(teacher_inside: bool):
+    """A dense student fitted to the labels and to a frozen dropless teacher's logits (at
+    temperature 2). The teacher's group sizes count tokens of the batch alone (its router is not
+    trained): each microbatch's own still places its own sorted rows."""
+    teacher, student = (
+        DroplessLM(2 * D, 2),
+        nn.Sequential([nn.Embed(VOCAB, D), nn.Dense(D), nn.gelu, nn.Dense(VOCAB)]),
+    )
+    ids = jnp.zeros((8, TOKENS), jnp.int32)
+    state = Distilled.create(
+        apply_fn=student.apply,
+        params=student.init(jax.random.key(0), ids)["params"],
+        tx=optax.adamw(1e-2, eps=1e-5),
+        teacher=teacher.init(jax.random.key(1), ids)["params"],
+    )
+
+    def step(state, batch):
+        def teacher_logits():
+            return teacher.apply({"params": state.teacher}, batch["ids"])
+
+        ahead = None if teacher_inside else teacher_logits()
+
+        def loss_fn(p):
+            target = jax.lax.stop_gradient(teacher_logits()) if teacher_inside else ahead
+            logits = student.apply({"params": p}, batch["ids"])
+            soft = optax.kl_divergence(jax.nn.log_softmax(logits / 2), jax.nn.softmax(target / 2))
+            return (
+                4 * soft.mean()
+                + optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+            )
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(4)
+    batches = [
+        {name: rng.integers(0, VOCAB, (8, TOKENS)).astype(np.int32) for name in ("ids", "labels")}
+        for _ in range(3)
+    ]
+    return step, state, batches
+
+
+def test_a_student_distilled_from_a_frozen_dropless_teacher_inside_the_loss_equals_jit():
+    step, state, batches = _distillation(teacher_inside=True)
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=2)
+
+
+def test_a_frozen_dropless_teacher_before_the_gradient_is_an_error_naming_the_loss_function():
+    """Before the gradient its sort by expert is not followed back to the batch's order."""
+    step, state, batches = _distillation(teacher_inside=False)
+    with pytest.raises(
+        ValueError, match=r"(?s)combines examples.*sort.*inside the loss function under jax.lax"
+    ):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(state, batches[0])
 
 
 def test_a_dropless_mixture_of_experts_splits_its_experts_weights_as_megatron_does():

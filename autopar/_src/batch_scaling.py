@@ -388,6 +388,16 @@ def _is_int(var: Any) -> bool:
     return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.integer))
 
 
+def reads_as_figure(e: Any) -> list[Any]:
+    """The operands of ``e`` that a figure of the batch could weigh or place its results by: all
+    but ``ragged_dot``'s group sizes, which count the rows of its own left operand (a dropless
+    mixture of experts' tokens sorted by expert). Those rows are the microbatch's, so the count is
+    too; the whole batch's would misplace them."""
+    if e.primitive.name == "ragged_dot_general":
+        return list(e.invars[:2])
+    return list(e.invars)
+
+
 def _is_index(e: Any, operand: Any) -> bool:
     """Whether ``operand`` of ``e`` is an index or a count that places its results (a gather's
     or scatter's indices, a dynamic slice's start, whatever its results' type; ``ragged_dot``'s

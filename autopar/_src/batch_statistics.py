@@ -141,7 +141,7 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
         if layers.is_boundary(e):
             found.update((a, None) for a in e.invars if is_statistic(a) and not _integral(a))
         elif not all(is_statistic(v) for v in e.outvars if not compat.is_dropvar(v)):
-            found.update((a, None) for a in e.invars if is_statistic(a))
+            found.update((a, None) for a in batch_scaling.reads_as_figure(e) if is_statistic(a))
     # An integer aux output cannot be averaged whatever it is: region_outputs says so.
     found.update((a, None) for a in rj.outvars if is_statistic(a) and not _integral(a))
 
@@ -157,7 +157,7 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     found_before: dict[Any, None] = {}
     for e in step.jaxpr.eqns[:at]:
         if not all(is_statistic_before(v) for v in e.outvars if not compat.is_dropvar(v)):
-            found_before.update((a, None) for a in e.invars if is_statistic_before(a))
+            found_before.update((a, None) for a in batch_scaling.reads_as_figure(e) if is_statistic_before(a))
     if not found and not found_before:
         return NONE
     # Boundaries pass values on as they are (a count made before a cut, cast after it).

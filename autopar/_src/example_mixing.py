@@ -92,6 +92,16 @@ def require_examples_apart(
 
 
 def _combined_before_the_gradient(found: Any, where: str, nmb: int) -> ValueError:
+    # Inside the loss function, rows sorted and put back in the batch's order are followed
+    # (example_order): a frozen model's forward that sorts (a mixture of experts' dispatch) can go
+    # there.
+    inside = (
+        " Or, for rows sorted and put back in the batch's order (a frozen mixture of experts "
+        "sorting its tokens by expert), compute it inside the loss function under "
+        "jax.lax.stop_gradient, where such sorts are followed."
+        if found.primitive.name == "sort"
+        else ""
+    )
     return ValueError(
         f"The step's code before the gradient combines examples (at {where}: "
         f"{str(found).splitlines()[0]!r}): with num_microbatches={nmb} it runs per microbatch "
@@ -99,7 +109,7 @@ def _combined_before_the_gradient(found: Any, where: str, nmb: int) -> ValueErro
         "values as mixup's partner, a statistic of more than the batch alone, rows picked by "
         "indices read from the batch, which number the whole batch's rows, rows of a Python "
         "loop over the batch combined with others) would not be the whole batch's. Do it in the "
-        "data pipeline, or use num_microbatches=1."
+        f"data pipeline, or use num_microbatches=1.{inside}"
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from typing import Any
 
-from autopar._src import compat, dependence, layers
+from autopar._src import batch_scaling, compat, dependence, layers
 
 
 def require_none(
@@ -115,8 +115,7 @@ def _read_inside(body: Any, twin: Any, tainted: set[Any], bound: set[Any], nmb: 
         return _in(a, tainted) and not _in(a, bound) and shapes.get(a, False)
 
     for q in body.eqns:
-        if any(figure(a) for a in q.invars) and not all(
-            figure(v) for v in q.outvars if not compat.is_dropvar(v)
-        ):
-            return maker[next(a for a in q.invars if figure(a))]
+        read = batch_scaling.reads_as_figure(q)
+        if any(figure(a) for a in read) and not all(figure(v) for v in q.outvars if not compat.is_dropvar(v)):
+            return maker[next(a for a in read if figure(a))]
     return None
