@@ -742,11 +742,24 @@ def test_nnx_objects_shared_between_arguments_stay_shared_as_in_nnx_value_and_gr
     assert int(out[0][1]["rngs"]["noise"]["count"].get_value()) == 2  # the teacher holds the stream
 
 
-def test_nnx_diff_state_argnums_is_a_clear_error():
+@pytest.mark.parametrize(
+    "argnums, message",
+    [
+        ("model", r"argnums must be an int, an nnx.DiffState or a sequence of them, got 'model'"),
+        (
+            nnx.DiffState(1, nnx.Param),
+            r"nnx.DiffState\(1, ...\) names argument 1, a ndarray, not an NNX module",
+        ),
+    ],
+)
+def test_argnums_that_are_no_positions_or_a_diff_state_of_no_module_are_clear_errors(argnums, message):
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    grad = autopar.value_and_grad(lambda m: m(jnp.ones((1, 2))).sum(), argnums=nnx.DiffState(0, nnx.Param))
-    with pytest.raises(ValueError, match=r"argnums must be an int or a sequence of ints, got DiffState"):
-        grad(model)
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    grad = autopar.value_and_grad(lambda m, x: m(x).sum(), argnums=argnums)
+    with pytest.raises(ValueError, match=message):
+        grad(model, np.ones((1, 2), np.float32))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(nnx.state(model)), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_donate_and_batch_argnums_must_not_overlap():

@@ -13,7 +13,8 @@
   ``bincount`` and multiplied by their experts' weights with ``lax.ragged_dot``; and a student
   distilled from a frozen one, its forward inside the loss function under ``stop_gradient``.
 - An NNX step written for ``nnx.jit``: it updates the model, its optimizer and its metrics in
-  place and returns the loss.
+  place and returns the loss; and one that trains only the ``nnx.LoRA`` adapters of frozen
+  layers (``nnx.DiffState(0, nnx.LoRAParam)``).
 - Sharpness-aware minimization: a gradient at weights moved along another gradient.
 - An NNX model: convolutions with BatchNorm and dropout in an ``nnx.List``, multi-head
   attention over the pixels, a forward-call counter in an ``nnx.Variable``; a functional step
@@ -551,6 +552,62 @@ def test_an_nnx_step_that_updates_its_objects_in_place_equals_nnx_jit(num_microb
     assert len(params) == len(targets) == 7
     for param, target in zip(params, targets, strict=True):
         assert param.sharding == target
+
+
+class LoRAMLP(nnx.Module):
+    """Frozen ``nnx.Linear`` kernels, each behind rank-2 ``nnx.LoRA`` adapters."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        sizes = (8, 32, 32, 10)
+        self.layers = nnx.List(
+            nnx.LoRA(a, 2, b, base_module=nnx.Linear(a, b, rngs=rngs), rngs=rngs)
+            for a, b in zip(sizes, sizes[1:], strict=False)
+        )
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = nnx.gelu(layer(x))
+        return self.layers[-1](x)
+
+
+def lora_train_step(model, optimizer, batch):
+    def loss_fn(model):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
+
+    loss, grads = autopar.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_an_nnx_step_training_only_lora_adapters_by_a_diff_state_equals_nnx_jit():
+    """As ``nnx.value_and_grad``: only the ``nnx.LoRAParam`` state is differentiated and updated;
+    the frozen kernels come back as they were."""
+
+    def objects():
+        model = LoRAMLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-2, eps=1e-5), wrt=nnx.LoRAParam)
+
+    rng = np.random.default_rng(6)
+    batches = [
+        {"x": rng.normal(size=(8, 8)).astype(np.float32), "y": rng.integers(0, 10, 8).astype(np.int32)}
+        for _ in range(3)
+    ]
+    par = autopar.autoparallel(lora_train_step, num_stages=2, num_microbatches=2, batch_argnums=2)
+    mine, theirs = objects(), objects()
+    kernels = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # a LoRAParam is an nnx.Param too
+    frozen = jax.tree.map(np.asarray, nnx.state(mine[0], kernels))
+    adapters = jax.tree.map(np.asarray, nnx.state(mine[0], nnx.LoRAParam))
+    for batch in batches:
+        loss = par(*mine, batch)
+        np.testing.assert_allclose(loss, nnx.jit(lora_train_step)(*theirs, batch), **TOLERANCES["adamw"])
+    for a, b in zip(jax.tree.leaves(nnx.state(mine)), jax.tree.leaves(nnx.state(theirs)), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["adamw"])
+    assert len(jax.tree.leaves(frozen)) == 6
+    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(nnx.state(mine[0], kernels)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    trained = jax.tree.leaves(nnx.state(mine[0], nnx.LoRAParam))
+    assert all(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(adapters), trained, strict=True))
+    assert len(par.plan(*mine, batches[0]).stages) == 2
 
 
 def test_an_nnx_object_named_as_the_batch_is_an_error():

@@ -1,9 +1,9 @@
 """Differentiating Flax NNX modules with ``autopar.value_and_grad``.
 
-As ``nnx.value_and_grad`` does, a module argument is split into its ``nnx.Param``
-state (differentiated) and the rest (BatchNorm statistics, RNG counters, ...),
-merged back inside the loss, and the rest's updates are written back into the
-module after the call.
+As ``nnx.value_and_grad`` does, a module argument is split into its ``nnx.Param`` state, or
+the state an ``nnx.DiffState`` names (``nnx.LoRAParam``), which is differentiated, and the rest
+(BatchNorm statistics, RNG counters, frozen weights, ...), merged back inside the loss, and the
+rest's updates are written back into the module after the call.
 """
 
 from __future__ import annotations
@@ -23,29 +23,50 @@ def _is_nnx(x: Any) -> bool:
     return isinstance(x, nnx.Module | nnx.Pytree)
 
 
+def _argnums_and_filters(argnums: Any, nargs: int) -> tuple[int | tuple[int, ...], dict[int, Any]]:
+    """``argnums`` as ``jax.value_and_grad`` takes them (``nnx.DiffState``s by their argnum), and
+    the NNX filter of the state to differentiate at each position: a ``DiffState``'s, else None
+    (``nnx.Param``).
+
+    Raises:
+      ValueError: if ``argnums`` holds anything but ints and ``nnx.DiffState``s.
+    """
+    single = isinstance(argnums, int | nnx.DiffState)
+    items = (argnums,) if single else tuple(argnums) if isinstance(argnums, Sequence) else None
+    if items is None or not all(
+        isinstance(a, int) or (isinstance(a, nnx.DiffState) and isinstance(a.argnum, int)) for a in items
+    ):
+        raise ValueError(f"argnums must be an int, an nnx.DiffState or a sequence of them, got {argnums!r}.")
+    nums = tuple((a.argnum if isinstance(a, nnx.DiffState) else a) % nargs for a in items)
+    filters = {
+        n: a.filter if isinstance(a, nnx.DiffState) else None for n, a in zip(nums, items, strict=True)
+    }
+    return (nums[0] if single else nums), filters
+
+
 def call_value_and_grad(
     inner: Callable[..., Any],
     fun: Callable[..., Any],
-    argnums: int | Sequence[int],
+    argnums: Any,
     has_aux: bool,
     args: tuple[Any, ...],
 ) -> Any:
-    """Calls ``inner(fun, argnums, has_aux, args)``, adapting NNX module arguments.
+    """Calls ``inner(fun, argnums, has_aux, args)``, adapting NNX module arguments: each is
+    differentiated in its ``nnx.Param`` state, or in the state an ``nnx.DiffState`` among
+    ``argnums`` names (``nnx.DiffState(0, nnx.LoRAParam)``), as ``nnx.value_and_grad`` does.
 
     Raises:
-      ValueError: if ``argnums`` is not an int or a sequence of ints (e.g. ``nnx.DiffState``).
+      ValueError: if ``argnums`` holds anything but ints and ``nnx.DiffState``s, or a
+        ``DiffState`` names an argument that is no NNX module.
     """
-    ints = isinstance(argnums, int) or (
-        isinstance(argnums, Sequence) and all(isinstance(a, int) for a in argnums)
-    )
-    if not ints:
-        raise ValueError(
-            f"argnums must be an int or a sequence of ints, got {argnums!r}. To differentiate part of a "
-            "module's state (nnx.DiffState), split it out with nnx.split(model, nnx.LoRAParam, ...), "
-            "differentiate that state and nnx.merge it inside the loss function."
-        )
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    nums = tuple(a % len(args) for a in nums)
+    argnums, filters = _argnums_and_filters(argnums, len(args))
+    for a, filt in filters.items():
+        if filt is not None and not _is_graph(args[a]):
+            raise ValueError(
+                f"nnx.DiffState({a}, ...) names argument {a}, a {type(args[a]).__name__}, not an NNX "
+                "module: differentiate it with its plain argnum."
+            )
+    nums = tuple(filters)
     graph = [a for a in nums if _is_graph(args[a])]
     # NNX objects passed but not differentiated (e.g. an nnx.Rngs the loss draws from): their
     # whole state goes in as an argument and its updates come back, as nnx.value_and_grad does.
@@ -55,21 +76,22 @@ def call_value_and_grad(
     # One split of all of them, so objects they share stay shared.
     positions = sorted([*graph, *others])
     index = {a: k for k, a in enumerate(positions)}
-    diff_at = {index[a] for a in graph}
+    filters = {a: nnx.Param if filt is None else filt for a, filt in filters.items()}
+    wanted = {index[a]: nnx.filterlib.to_predicate(filters[a]) for a in graph}
 
     def differentiated(path: tuple[Any, ...], x: Any) -> bool:
-        return isinstance(x, nnx.Param) and path[0] in diff_at
+        return path[0] in wanted and isinstance(x, nnx.Variable) and wanted[path[0]](path[1:], x)
 
     objs = tuple(args[a] for a in positions)
     graphdef, *states = nnx.split(objs, differentiated, ...)
     params, rest = states
     for a in graph:
-        own = len(jax.tree.leaves(nnx.state(args[a], nnx.Param)))
+        own = len(jax.tree.leaves(nnx.state(args[a], filters[a])))
         if own != len(jax.tree.leaves(params.get(index[a], {}))):
             raise ValueError(
-                f"Argument {a} is differentiated, but some of its nnx.Param state is also reached from "
-                "an earlier argument of the loss function (shared); nnx.value_and_grad refuses such "
-                "aliasing too. Pass the shared module once."
+                f"Argument {a} is differentiated, but some of its differentiated state is also "
+                "reached from an earlier argument of the loss function (shared); nnx.value_and_grad "
+                "refuses such aliasing too. Pass the shared module once."
             )
     pure_args = list(args)
     for a in others:

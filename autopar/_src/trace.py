@@ -213,16 +213,15 @@ def _fingerprint(forward: Any, diff_leaves: Sequence[Any]) -> str:
     return digest.hexdigest()[:16]
 
 
-def value_and_grad(
-    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
-) -> Callable[..., Any]:
+def value_and_grad(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False) -> Callable[..., Any]:
     """Drop-in for ``jax.value_and_grad`` that marks the microbatched part of a step.
 
     Under ``@autopar.autoparallel`` the loss is cut into pipeline layers and run
     per microbatch; the gradients (and value and aux) are averaged over
     microbatches, which for a mean loss equals the gradient of the whole batch.
     Elsewhere it is ``jax.value_and_grad``. Differentiating with respect to a Flax
-    NNX module differentiates its ``nnx.Param`` state, as ``nnx.value_and_grad``.
+    NNX module differentiates its ``nnx.Param`` state, or the state an ``nnx.DiffState`` among
+    ``argnums`` names (``nnx.DiffState(0, nnx.LoRAParam)``), as ``nnx.value_and_grad``.
 
     Example:
       >>> loss, grads = autopar.value_and_grad(loss_fn)(params, batch)
@@ -249,9 +248,7 @@ def _value_and_grad_arrays(
         _OPTIONS.reset(token)
 
 
-def grad(
-    fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
-) -> Callable[..., Any]:
+def grad(fun: Callable[..., Any], argnums: Any = 0, has_aux: bool = False) -> Callable[..., Any]:
     """Drop-in for ``jax.grad``; see :func:`value_and_grad`."""
     vag = value_and_grad(fun, argnums=argnums, has_aux=has_aux)
 
