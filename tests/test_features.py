@@ -132,6 +132,13 @@ def test_bad_input_is_a_clear_error_before_any_work(options, message):
     jax.jit(step)(state, batch)
 
 
+def test_a_batch_leaf_with_several_rows_per_example_is_an_error_naming_the_layout_to_use():
+    step, state, batch = _mlp_step()
+    captions = np.zeros((5 * BATCH, 4), np.float32)  # five per example, flattened
+    with pytest.raises(ValueError, match=r"disagree on the batch size: \[16, 80\].*as \[batch, 5, \.\.\.\]"):
+        autopar.autoparallel(step)(state, {**batch, "captions": captions})
+
+
 @pytest.mark.parametrize(
     "options,message",
     [

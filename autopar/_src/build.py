@@ -336,8 +336,10 @@ def batch_leaves(
     if len(sizes) > 1:
         raise ValueError(
             f"Batch leaves disagree on the batch size: {sorted(sizes)} (e.g. {list(sizes.values())}); "
-            "every leaf of the batch arguments needs the same leading dim, one row per example. Pass "
-            "leaves that are not per example (a graph batch's concatenated nodes and edges, which "
+            "every leaf of the batch arguments needs the same leading dim, one row per example. Give "
+            "a leaf with several rows per example its own dim for them in the data pipeline (five "
+            "captions per image as [batch, 5, ...], not [batch * 5, ...]). Pass leaves that are not per "
+            "example (a graph batch's concatenated nodes and edges, which "
             "index each other) in an argument outside batch_argnums (batch_argnums=() for none): "
             "they are then not cut into microbatches."
         )
