@@ -132,6 +132,20 @@ def test_bad_input_is_a_clear_error_before_any_work(options, message):
     jax.jit(step)(state, batch)
 
 
+def test_a_step_taking_the_batch_first_without_batch_argnums_is_an_error_naming_them():
+    step, state, batch = _mlp_step()
+
+    def swapped(batch, state):
+        return step(state, batch)
+
+    with pytest.raises(
+        ValueError, match=r"argument 1.step is a scalar.*batch_argnums=\(1,\) names argument 1"
+    ):
+        autopar.autoparallel(swapped)(batch, state)
+    _, loss = autopar.autoparallel(swapped, batch_argnums=0, num_microbatches=2)(batch, state)
+    np.testing.assert_allclose(loss, jax.jit(swapped)(batch, state)[1], **TOLERANCES["sgd"])
+
+
 def test_a_batch_leaf_with_several_rows_per_example_is_an_error_naming_the_layout_to_use():
     step, state, batch = _mlp_step()
     captions = np.zeros((5 * BATCH, 4), np.float32)  # five per example, flattened

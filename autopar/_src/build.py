@@ -328,7 +328,9 @@ def batch_leaves(
                 if len(shape) == 0:
                     raise ValueError(
                         f"Batch leaf {name} is a scalar; batch arguments must have a leading batch "
-                        "dim. Move scalars out of batch_argnums."
+                        f"dim. batch_argnums={argnums} names argument {pos} as the batch (by default "
+                        "the second: step(state, batch)); if the batch is another argument, name its "
+                        "position. Move scalars out of batch_argnums."
                     )
                 sizes.setdefault(shape[0], name)
                 ids.append(offset + k)
