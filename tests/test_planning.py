@@ -4,9 +4,12 @@ import dataclasses
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from equality import OPTIMIZERS, TOLERANCES, assert_same_as_jit
+from flax.training import train_state
 
 import autopar
 from autopar._src import (
@@ -18,7 +21,9 @@ from autopar._src import (
     intra_op,
     layer_sharding,
     memory,
+    profile,
     sharding_ilp,
+    trace,
 )
 from models import train
 
@@ -338,3 +343,71 @@ def test_source_lines_are_the_users_not_a_librarys():
     jaxpr = jax.make_jaxpr(lambda p: dense.apply(p, x))(params).jaxpr  # the matmul is Flax's code
     line = compat.source_line(next(e for e in jaxpr.eqns if e.primitive.name == "dot_general"))
     assert "test_planning.py" in line and "site-packages" not in line, line
+
+
+class _MLP(nn.Module):
+    width: int
+    depth: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(self.width)(x))
+        return nn.Dense(10)(x)
+
+
+def _distillation(teacher_inside: bool):
+    """A small student fitted to a frozen teacher 16 times its FLOPs, whose forward is made
+    before ``autopar.value_and_grad`` or inside the loss function under ``stop_gradient``."""
+    teacher, student = _MLP(256, 8), _MLP(64, 4)
+
+    class State(train_state.TrainState):
+        teacher: dict
+
+    x = jnp.zeros((BATCH, 64))
+    state = State.create(
+        apply_fn=student.apply,
+        params=student.init(jax.random.key(0), x)["params"],
+        tx=optax.sgd(0.1),
+        teacher=teacher.init(jax.random.key(1), x)["params"],
+    )
+
+    def step(state, batch):
+        ahead = None if teacher_inside else teacher.apply({"params": state.teacher}, batch["x"])
+
+        def loss_fn(p):
+            target = (
+                jax.lax.stop_gradient(teacher.apply({"params": state.teacher}, batch["x"]))
+                if teacher_inside
+                else ahead
+            )
+            logits = student.apply({"params": p}, batch["x"])
+            return optax.kl_divergence(jax.nn.log_softmax(logits), jax.nn.softmax(target)).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    rng = np.random.default_rng(0)
+    return step, state, [{"x": rng.normal(size=(BATCH, 64)).astype(np.float32)} for _ in range(2)]
+
+
+def test_a_frozen_teachers_forward_before_the_loss_function_is_priced_on_the_stage_that_runs_it():
+    """Made before the gradient from the batch, it runs per microbatch in the forward of the
+    layer that reads the logits: the stage DP prices it there, as it prices the same forward made
+    inside the loss function (once it was left out, and the step predicted twice as fast)."""
+    plans = {}
+    for inside in (True, False):
+        step, state, batches = _distillation(inside)
+        par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_microbatches=2)
+        plans[inside] = par.plan(state, batches[0])
+        _check_auto_plan(plans[inside])
+    flops = {inside: sum(st.forward_flops for st in plan.stages) for inside, plan in plans.items()}
+    np.testing.assert_allclose(flops[False], flops[True], rtol=0.02)
+    np.testing.assert_allclose(plans[False].predicted_step_time, plans[True].predicted_step_time, rtol=0.1)
+    step, state, batches = _distillation(teacher_inside=False)
+    traced = autoplan.trace_at(
+        step, (state, batches[0]), [len(jax.tree.leaves(state))], BATCH // 2, trace.TraceOptions(num_layers=2)
+    )
+    prof = profile.layer_profile(traced, (len(jax.tree.leaves(state)),))
+    teacher = 2 * (BATCH // 2) * (64 * 256 + 7 * 256 * 256 + 256 * 10)
+    np.testing.assert_allclose(prof.before_flops, [0, teacher])  # the loss's layer reads the logits

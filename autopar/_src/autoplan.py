@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from autopar._src import cluster as cluster_mod
 from autopar._src import planner, stages, trace, user_constraints
 from autopar._src.plan import DATA_AXIS, Plan, StagePlan
@@ -204,6 +206,8 @@ def auto_plan(
             nmb, scale = num_microbatches, 1.0
             cuts, flops, fingerprint = region_layers(step)
         solution, costs = solve(nmb, scale)
+        # The code before the loss function that the stages' forwards run per microbatch.
+        before = prof.before_flops if prof.before_flops.size else np.zeros(len(flops))
         shapes = [costs.submeshes[c.submesh] for c in solution.stages]
         placement = assign_devices(shapes, spec)
         stage_plans = []
@@ -217,7 +221,9 @@ def auto_plan(
                     device_ids=tuple(device_ids[i] for i in idx),
                     mesh_shape=shape,
                     axis_names=axes,
-                    forward_flops=float(sum(flops[c.start : c.stop])),
+                    forward_flops=float(
+                        sum(flops[c.start : c.stop]) + before[c.start : c.stop].sum() * scale
+                    ),
                     latency=c.latency,
                     memory_bytes=c.memory,
                     compute_time=float(costs.compute[c.start, c.stop - 1, c.submesh, c.logical]),

@@ -193,6 +193,10 @@ def stage_costs(
         return np.where(prefix(unpriced) > 0, np.inf, prefix(np.where(unpriced, 0.0, x)))
 
     flops = ranges((profile.forward_flops + profile.backward_flops) * batch_scale)
+    peak = spec.device.flops(profile.dtype)
+    # Seconds of the code before the loss function that the layers' forwards run per microbatch
+    # (in forward_flops too), split over the batch like the rest.
+    before = ranges(profile.before_flops * batch_scale) / peak if profile.before_flops.size else 0.0
     traffic = profile.forward_traffic + profile.backward_traffic
     traffic = traffic if traffic.size else np.zeros(n_layers)
     weight_sized = profile.fixed_traffic if profile.fixed_traffic.size else np.zeros(n_layers)
@@ -207,7 +211,6 @@ def stage_costs(
     acts = ranges(profile.boundary_bytes * batch_scale)
     out_bytes = np.broadcast_to(profile.boundary_bytes[None, :] * batch_scale, (n_layers, n_layers))
     valid = np.triu(np.ones((n_layers, n_layers), dtype=bool))
-    peak = spec.device.flops(profile.dtype)
     for k, mesh in enumerate(submeshes):
         link = cluster_mod.link_for(spec, mesh)
         for q, (dp, tp) in enumerate(logical[k]):
@@ -222,12 +225,18 @@ def stage_costs(
             tp_comm = 4 * _allreduce(acts / dp, tp, tp_link)
             grad_sync = _allreduce(params / tp, dp, dp_link) / num_microbatches
             send = 2 * (out_bytes / dp / link.bandwidth + link.latency)
-            if sharded is not None:
-                lat = ranges(sharded[:, k, q] * batch_scale) + launches + send + 2 * task_overhead
+            if sharded is not None:  # the ILP prices the loss function; not the code before it
+                lat = (
+                    ranges(sharded[:, k, q] * batch_scale)
+                    + before / (dp * tp)
+                    + launches
+                    + send
+                    + 2 * task_overhead
+                )
             else:
                 lat = compute + tp_comm + grad_sync + send + 2 * task_overhead
             if measured is not None and tp == 1:
-                compute = measured[:, :, k]
+                compute = measured[:, :, k] + before / dp
                 lat = compute + send
             latency[:, :, k, q] = np.where(valid, lat, np.inf)
             compute_time[:, :, k, q] = np.where(valid, compute, np.inf)

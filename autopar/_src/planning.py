@@ -192,7 +192,8 @@ def uniform_plan(
             device_ids=tuple(d.id for d in devices[i * per : (i + 1) * per]),
             mesh_shape=shape,
             axis_names=axes,
-            forward_flops=flops[i],
+            forward_flops=flops[i]
+            + (float(prof.before_flops[i]) if prof is not None and prof.before_flops.size else 0.0),
             **stage_details(step, args, prof, (i, i + 1), "replicated"),
         )
         for i in range(num_stages)

@@ -4,13 +4,15 @@ From the differentiated, marked loss: FLOPs of each layer's forward and backward
 bytes its memory-bound equations move, bytes of the parameters it owns, bytes of the
 activations its forward keeps for its backward (per microbatch), and bytes crossing the
 boundary after it. From the whole step: how many bytes of state (optimizer moments, ...)
-come with each byte of parameters.
+come with each byte of parameters, and the FLOPs of the code before the loss function that runs
+per microbatch in a layer's forward (a frozen teacher's forward on the batch).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,10 @@ class LayerProfile:
     (:func:`autopar._src.fusion.op_kernels`), each priced at the device's
     :attr:`~autopar._src.cluster.DeviceSpec.kernel_time`. Empty: none."""
 
+    before_flops: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0))
+    """FLOPs of the code before the grad region that each layer's forward task runs per
+    microbatch (a frozen teacher's or encoder's forward on the batch, run in the forward of the
+    first layer that reads what it makes); counted in :attr:`forward_flops` too. Empty: none."""
     shared_params: tuple[tuple[float, tuple[int, ...]], ...] = ()
     """Parameters the forwards of several layers read (a tied weight): their bytes and those
     layers, in order. :attr:`param_bytes` counts each on the first."""
@@ -180,6 +186,8 @@ def layer_profile(
             stash[layer] += cost.aval_bytes(v.aval)
         else:
             stash_rep[layer] += cost.aval_bytes(v.aval)
+    before = _before_region_flops(step, at, outer, batch_vars, rj.eqns, where, num_layers)
+    fwd += before
     state = sum(cost.aval_bytes(v.aval) for v in step.arg_vars if v not in batch_vars)
     total_params = float(params.sum())
     ratio = max(state / total_params - 1.0, 0.0) if total_params else 0.0
@@ -206,7 +214,45 @@ def layer_profile(
         backward_traffic=traffic["B"],
         fixed_traffic=fixed,
         kernels=kernels,
+        before_flops=before,
     )
+
+
+def _before_region_flops(
+    step: TracedStep,
+    at: int,
+    outer: Mapping[Any, Any],
+    batch_vars: set[Any],
+    region_eqns: Sequence[Any],
+    where: Sequence[tuple[int, str]],
+    num_layers: int,
+) -> np.ndarray:
+    """Per layer, the FLOPs of the step's equations before its grad region (at ``at``) that read
+    the batch, and so run per microbatch, in the forward task of the first layer that reads what
+    they make, as :func:`~autopar._src.partition.build_program` places them (``outer``: the
+    region's inner vars to the step's)."""
+    first: dict[Any, int] = {}  # step var -> the first layer reading it
+    for eqn, (layer, pass_) in zip(region_eqns, where, strict=True):
+        for a in eqn.invars:
+            if pass_ == "F" and not compat.is_literal(a) and a in outer and not compat.is_literal(outer[a]):
+                first[outer[a]] = min(first.get(outer[a], layer), layer)
+    eqns = step.jaxpr.eqns[:at]
+    per_mb = set(batch_vars)
+    for e in eqns:
+        if any(not compat.is_literal(a) and a in per_mb for a in e.invars):
+            per_mb.update(e.outvars)
+    flops = np.zeros(num_layers)
+    for e in reversed(eqns):
+        readers = [first[v] for v in e.outvars if not compat.is_dropvar(v) and v in first]
+        if not readers:
+            continue  # made for the step's outputs alone, or once per step for the update
+        layer = min(readers)
+        for a in e.invars:
+            if not compat.is_literal(a):
+                first[a] = min(first.get(a, layer), layer)
+        if any(v in per_mb for v in e.outvars):
+            flops[layer] += cost.eqn_flops(e)
+    return flops
 
 
 def fixed_traffic(
