@@ -444,3 +444,31 @@ def test_a_figure_of_the_inputs_returned_as_aux_is_the_whole_batchs():
     assert float(jax.jit(step)(state, first)[1][1]["largest input"]) < float(
         jax.jit(step)(state, batches[0])[1][1]["largest input"]
     )  # a microbatch's own maximum is not the batch's
+
+
+def test_group_sizes_counted_from_the_batch_for_rows_that_are_no_examples_are_an_error():
+    """``ragged_dot``'s group sizes are each microbatch's own where they count the examples'
+    rows (a dropless mixture of experts); over a weight's rows, a count of the batch's labels is
+    a figure of the whole batch, and an integer one has no share."""
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+        "e": jnp.asarray(rng.normal(size=(2, 4, 3)), jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+    }
+    mask = np.zeros(16, np.int32)
+    mask[:10] = 1  # the microbatches hold 8 and 2 of them
+    batch = {"x": rng.normal(size=(16, 4)).astype(np.float32), "m": mask}
+
+    def step(params, batch):
+        def loss_fn(p):
+            first = jnp.minimum(batch["m"].sum(), 8)
+            out = jax.lax.ragged_dot(p["w"], p["e"], jnp.stack([first, 8 - first]))
+            return (out**2).mean() + ((batch["x"] @ p["v"]) ** 2).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, params, grads), loss
+
+    with pytest.raises(ValueError, match="integer figure of the batch"):
+        autopar.autoparallel(step, num_stages=1, num_microbatches=2)(params, batch)
+    assert_same_as_jit(step, params, [batch], TOLERANCES["sgd"], num_stages=1, num_microbatches=1)

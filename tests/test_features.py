@@ -139,7 +139,8 @@ def test_a_step_taking_the_batch_first_without_batch_argnums_is_an_error_naming_
         return step(state, batch)
 
     with pytest.raises(
-        ValueError, match=r"argument 1.step is a scalar.*batch_argnums=\(1,\) names argument 1"
+        ValueError,
+        match=r"argument 1.step is a scalar.*Is the batch another argument\? batch_argnums names it",
     ):
         autopar.autoparallel(swapped)(batch, state)
     _, loss = autopar.autoparallel(swapped, batch_argnums=0, num_microbatches=2)(batch, state)
@@ -769,11 +770,14 @@ def test_nnx_objects_shared_between_arguments_stay_shared_as_in_nnx_value_and_gr
         ("model", r"argnums must be an int, an nnx.DiffState or a sequence of them, got 'model'"),
         (
             nnx.DiffState(1, nnx.Param),
-            r"nnx.DiffState\(1, ...\) names argument 1, a ndarray, not an NNX module",
+            r"nnx.DiffState\(1, ...\) names argument 1, a ndarray, not an nnx.Module",
         ),
+        ((0, nnx.DiffState(0, nnx.Param)), r"names an argument more than once"),
     ],
 )
-def test_argnums_that_are_no_positions_or_a_diff_state_of_no_module_are_clear_errors(argnums, message):
+def test_argnums_that_are_no_positions_repeat_one_or_a_diff_state_of_no_module_are_clear_errors(
+    argnums, message
+):
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     before = jax.tree.map(np.asarray, nnx.state(model))
     grad = autopar.value_and_grad(lambda m, x: m(x).sum(), argnums=argnums)

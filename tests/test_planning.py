@@ -18,8 +18,11 @@ from autopar._src import (
     cluster,
     clustering,
     compat,
+    cost,
     intra_op,
     layer_sharding,
+    measure,
+    measured,
     memory,
     profile,
     sharding_ilp,
@@ -356,10 +359,12 @@ class _MLP(nn.Module):
         return nn.Dense(10)(x)
 
 
-def _distillation(teacher_inside: bool):
+def _distillation(teacher_inside: bool, encoder: bool = False):
     """A small student fitted to a frozen teacher 16 times its FLOPs, whose forward is made
-    before ``autopar.value_and_grad`` or inside the loss function under ``stop_gradient``."""
+    before ``autopar.value_and_grad`` or inside the loss function under ``stop_gradient``; with
+    ``encoder``, the student reads the batch through a frozen linear encoder applied before it."""
     teacher, student = _MLP(256, 8), _MLP(64, 4)
+    project = jnp.asarray(np.random.default_rng(1).normal(size=(64, 64)), jnp.float32)
 
     class State(train_state.TrainState):
         teacher: dict
@@ -374,6 +379,7 @@ def _distillation(teacher_inside: bool):
 
     def step(state, batch):
         ahead = None if teacher_inside else teacher.apply({"params": state.teacher}, batch["x"])
+        inputs = batch["x"] @ project if encoder else batch["x"]
 
         def loss_fn(p):
             target = (
@@ -381,7 +387,7 @@ def _distillation(teacher_inside: bool):
                 if teacher_inside
                 else ahead
             )
-            logits = student.apply({"params": p}, batch["x"])
+            logits = student.apply({"params": p}, inputs)
             return optax.kl_divergence(jax.nn.log_softmax(logits), jax.nn.softmax(target)).mean()
 
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
@@ -404,10 +410,38 @@ def test_a_frozen_teachers_forward_before_the_loss_function_is_priced_on_the_sta
     flops = {inside: sum(st.forward_flops for st in plan.stages) for inside, plan in plans.items()}
     np.testing.assert_allclose(flops[False], flops[True], rtol=0.02)
     np.testing.assert_allclose(plans[False].predicted_step_time, plans[True].predicted_step_time, rtol=0.1)
-    step, state, batches = _distillation(teacher_inside=False)
+    step, state, batches = _distillation(teacher_inside=False, encoder=True)
     traced = autoplan.trace_at(
-        step, (state, batches[0]), [len(jax.tree.leaves(state))], BATCH // 2, trace.TraceOptions(num_layers=2)
+        step, (state, batches[0]), [len(jax.tree.leaves(state))], BATCH // 2, trace.TraceOptions(num_layers=3)
     )
     prof = profile.layer_profile(traced, (len(jax.tree.leaves(state)),))
     teacher = 2 * (BATCH // 2) * (64 * 256 + 7 * 256 * 256 + 256 * 10)
-    np.testing.assert_allclose(prof.before_flops, [0, teacher])  # the loss's layer reads the logits
+    encoder = 2 * (BATCH // 2) * 64 * 64
+    # The first layer reads the encoded inputs, the loss's (the last) the teacher's logits.
+    np.testing.assert_allclose(prof.before_flops, [encoder, 0, teacher])
+
+
+def test_measured_layer_ranges_time_the_loss_functions_equations_alone(monkeypatch):
+    """The code before the loss function is priced by its FLOPs (``before_flops``); the layer
+    ranges the measured cost model times hold none of it (once the teacher's forward was timed
+    with every range from layer 0, and counted twice)."""
+    step, state, batches = _distillation(teacher_inside=False)
+    ids = [len(jax.tree.leaves(state))]
+    traced = autoplan.trace_at(step, (state, batches[0]), ids, BATCH // 2, trace.TraceOptions(num_layers=2))
+    prof = profile.layer_profile(traced, tuple(ids))
+    timed: dict[tuple[int, int], float] = {}
+    real = measured._range_task
+
+    def recording(tasks, all_ops, layer_of, start, stop):
+        task = real(tasks, all_ops, layer_of, start, stop)
+        timed[(start, stop)] = sum(cost.eqn_flops(op.eqn) for op in task.ops)
+        return task
+
+    monkeypatch.setattr(measured, "_range_task", recording)
+    monkeypatch.setattr(measure, "measure", lambda fn, args, key, cache: 1e-3)
+    measured.layer_range_latency(traced, ids, BATCH // 2, jax.devices()[:1], [1], cache=None)
+    region = prof.forward_flops + prof.backward_flops - prof.before_flops
+    assert prof.before_flops.sum() > 10 * region.sum()  # the teacher's forward
+    np.testing.assert_allclose(
+        [timed[(0, 1)], timed[(1, 2)], timed[(0, 2)]], [region[0], region[1], region.sum()]
+    )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -388,13 +388,18 @@ def _is_int(var: Any) -> bool:
     return bool(jax.dtypes.issubdtype(var.aval.dtype, jnp.integer))
 
 
-def reads_as_figure(e: Any) -> list[Any]:
+def reads_as_figure(e: Any, whole_shape: Callable[[Any], tuple[int, ...] | None]) -> list[Any]:
     """The operands of ``e`` that a figure of the batch could weigh or place its results by: all
-    but ``ragged_dot``'s group sizes, which count the rows of its own left operand (a dropless
-    mixture of experts' tokens sorted by expert). Those rows are the microbatch's, so the count is
-    too; the whole batch's would misplace them."""
+    but ``ragged_dot``'s group sizes where its left operand's ragged rows are the examples' (their
+    dim longer at the whole batch, ``whole_shape``: a value's shape there, None if unknown): the
+    sizes count those rows (a dropless mixture of experts' tokens sorted by expert), which are
+    the microbatch's, so the count is too; the whole batch's would misplace them."""
     if e.primitive.name == "ragged_dot_general":
-        return list(e.invars[:2])
+        lhs = e.invars[0]
+        whole = None if compat.is_literal(lhs) else whole_shape(lhs)
+        ragged = e.params["ragged_dot_dimension_numbers"].lhs_ragged_dimensions
+        if whole is not None and any(whole[d] != lhs.aval.shape[d] for d in ragged):
+            return list(e.invars[:2])
     return list(e.invars)
 
 

@@ -135,13 +135,16 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             and a.aval.shape == twin[a].aval.shape
         )
 
+    def whole_shape(a: Any) -> tuple[int, ...] | None:
+        return tuple(twin[a].aval.shape) if a in twin else None
+
     # Where a statistic meets anything else: the model, the examples, another layer.
     found: dict[Any, None] = {}
     for e in rj.eqns:
         if layers.is_boundary(e):
             found.update((a, None) for a in e.invars if is_statistic(a) and not _integral(a))
         elif not all(is_statistic(v) for v in e.outvars if not compat.is_dropvar(v)):
-            found.update((a, None) for a in batch_scaling.reads_as_figure(e) if is_statistic(a))
+            found.update((a, None) for a in batch_scaling.reads_as_figure(e, whole_shape) if is_statistic(a))
     # An integer aux output cannot be averaged whatever it is: region_outputs says so.
     found.update((a, None) for a in rj.outvars if is_statistic(a) and not _integral(a))
 
@@ -154,10 +157,15 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             and a.aval.shape == pre.twin[a].aval.shape
         )
 
+    def whole_before(a: Any) -> tuple[int, ...] | None:
+        return tuple(pre.twin[a].aval.shape) if a in pre.twin else None
+
     found_before: dict[Any, None] = {}
     for e in step.jaxpr.eqns[:at]:
         if not all(is_statistic_before(v) for v in e.outvars if not compat.is_dropvar(v)):
-            found_before.update((a, None) for a in batch_scaling.reads_as_figure(e) if is_statistic_before(a))
+            found_before.update(
+                (a, None) for a in batch_scaling.reads_as_figure(e, whole_before) if is_statistic_before(a)
+            )
     if not found and not found_before:
         return NONE
     # Boundaries pass values on as they are (a count made before a cut, cast after it).

@@ -328,9 +328,8 @@ def batch_leaves(
                 if len(shape) == 0:
                     raise ValueError(
                         f"Batch leaf {name} is a scalar; batch arguments must have a leading batch "
-                        f"dim. batch_argnums={argnums} names argument {pos} as the batch (by default "
-                        "the second: step(state, batch)); if the batch is another argument, name its "
-                        "position. Move scalars out of batch_argnums."
+                        "dim. Is the batch another argument? batch_argnums names it (by default the "
+                        "second: step(state, batch)). Move scalars out of batch_argnums."
                     )
                 sizes.setdefault(shape[0], name)
                 ids.append(offset + k)

@@ -40,9 +40,14 @@ def _layer_of(step: TracedStep, num_layers: int) -> dict[int, int]:
 def _range_task(
     tasks: Sequence[Task], all_ops: Sequence[Op], layer_of: dict[int, int], start: int, stop: int
 ) -> Task:
-    """The ops of layers ``start..stop-1`` from microbatch 0's forward and backward."""
+    """The ops of layers ``start..stop-1`` from microbatch 0's forward and backward: the loss
+    function's (the code before it that the forwards run is priced by its FLOPs,
+    :attr:`~autopar._src.profile.LayerProfile.before_flops`)."""
     chosen = [
-        op for t in tasks for op in t.ops if op.kind == "eqn" and start <= layer_of.get(id(op.eqn), 0) < stop
+        op
+        for t in tasks
+        for op in t.ops
+        if op.kind == "eqn" and id(op.eqn) in layer_of and start <= layer_of[id(op.eqn)] < stop
     ]
     made = {k for op in chosen for k in op.outs if k is not None}
     ins: list[Key] = []

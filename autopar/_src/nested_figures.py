@@ -99,6 +99,7 @@ def _read_inside(body: Any, twin: Any, tainted: set[Any], bound: set[Any], nmb: 
     ):
         return None
     shapes = {}
+    whole = {v: tuple(w.aval.shape) for v, w in zip(body.invars, twin.invars, strict=True)}
     maker = {}
     for q, r in zip(body.eqns, twin.eqns, strict=True):
         require_none([q], [r], tainted, bound, nmb)  # its own bodies
@@ -109,13 +110,14 @@ def _read_inside(body: Any, twin: Any, tainted: set[Any], bound: set[Any], nmb: 
             )
         for v, w in zip(q.outvars, r.outvars, strict=True):
             shapes[v] = v.aval.shape == w.aval.shape
+            whole[v] = tuple(w.aval.shape)
             maker[v] = q
 
     def figure(a: Any) -> bool:
         return _in(a, tainted) and not _in(a, bound) and shapes.get(a, False)
 
     for q in body.eqns:
-        read = batch_scaling.reads_as_figure(q)
+        read = batch_scaling.reads_as_figure(q, whole.get)
         if any(figure(a) for a in read) and not all(figure(v) for v in q.outvars if not compat.is_dropvar(v)):
             return maker[next(a for a in read if figure(a))]
     return None

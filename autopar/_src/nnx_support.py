@@ -8,6 +8,8 @@ rest's updates are written back into the module after the call.
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,15 +31,18 @@ def _argnums_and_filters(argnums: Any, nargs: int) -> tuple[int | tuple[int, ...
     (``nnx.Param``).
 
     Raises:
-      ValueError: if ``argnums`` holds anything but ints and ``nnx.DiffState``s.
+      ValueError: if ``argnums`` holds anything but ints and ``nnx.DiffState``s, or one position
+        twice.
     """
-    single = isinstance(argnums, int | nnx.DiffState)
+    single = isinstance(argnums, numbers.Integral | nnx.DiffState)
     items = (argnums,) if single else tuple(argnums) if isinstance(argnums, Sequence) else None
     if items is None or not all(
-        isinstance(a, int) or (isinstance(a, nnx.DiffState) and isinstance(a.argnum, int)) for a in items
+        isinstance(a.argnum if isinstance(a, nnx.DiffState) else a, numbers.Integral) for a in items
     ):
         raise ValueError(f"argnums must be an int, an nnx.DiffState or a sequence of them, got {argnums!r}.")
-    nums = tuple((a.argnum if isinstance(a, nnx.DiffState) else a) % nargs for a in items)
+    nums = tuple(operator.index(a.argnum if isinstance(a, nnx.DiffState) else a) % nargs for a in items)
+    if len(set(nums)) < len(nums):
+        raise ValueError(f"argnums={argnums!r} names an argument more than once; name each once.")
     filters = {
         n: a.filter if isinstance(a, nnx.DiffState) else None for n, a in zip(nums, items, strict=True)
     }
@@ -63,8 +68,9 @@ def call_value_and_grad(
     for a, filt in filters.items():
         if filt is not None and not _is_graph(args[a]):
             raise ValueError(
-                f"nnx.DiffState({a}, ...) names argument {a}, a {type(args[a]).__name__}, not an NNX "
-                "module: differentiate it with its plain argnum."
+                f"nnx.DiffState({a}, ...) names argument {a}, a {type(args[a]).__name__}, not an "
+                "nnx.Module, whose state autopar would filter: pass the part to differentiate as an "
+                "argument of its own."
             )
     nums = tuple(filters)
     graph = [a for a in nums if _is_graph(args[a])]
