@@ -274,6 +274,15 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
             None,
             r"The loss \(float32\[\]\) pairs the examples with each other: at .*test_region_outputs.* sub",
         ),
+        (lambda losses, y: jnp.sqrt(losses.sum()), None, r"proportional to the batch size to the power 0.5"),
+        # Each example's term scaled by a norm over the batch of what the model computes (an
+        # adaptive solver's step size): a figure no microbatch makes as the whole batch does.
+        (
+            lambda losses, y: jnp.mean(losses / jnp.linalg.norm(jax.lax.stop_gradient(losses))),
+            None,
+            r"The loss .* reduces over the examples .* terms that depend on a figure over the whole "
+            r"batch that is no mean \(at .*test_region_outputs.*\).*jax.vmap",
+        ),
     ],
     ids=[
         "loss-sum",
@@ -297,6 +306,8 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
         "aux-pairs-in-jit",
         "loss-pairs-in-checkpoint",
         "loss-pairs-in-custom-vjp",
+        "loss-sqrt-of-sum",
+        "terms-scaled-by-a-norm",
     ],
 )
 def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):

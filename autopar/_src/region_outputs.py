@@ -325,6 +325,18 @@ def _require_means(
                 f"num_microbatches={nmb} microbatches would not give the whole batch's value. Return "
                 f"one value per example (concatenated), compute it outside the step, {fix}"
             )
+        inner = _scaled_terms(scaling, found)
+        if inner is not None:
+            made = f"at {compat.source_line(inner.origin)}: {str(inner.origin).splitlines()[0]!r}"
+            raise ValueError(
+                f"{what} ({rv.aval.str_short()}) reduces over the examples ({where}) terms that "
+                f"depend on a figure over the whole batch that is no mean ({made}): a norm over the "
+                "batch of what the model computes, such as an adaptive ODE solver's error norm. With "
+                f"num_microbatches={nmb} each microbatch "
+                "would make it from its own examples, so neither the loss nor its gradients would be "
+                "the whole batch's. Make it per example (jax.vmap the computation over the "
+                f"examples), {fix}"
+            )
         grows = (
             f"a sum over the examples ({where}): averaged over num_microbatches={nmb} microbatches "
             f"it would come back divided by {nmb}"
@@ -340,6 +352,29 @@ def _require_means(
             f"return one value per example, {fix}"
         )
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
+
+
+def _scaled_terms(scaling: batch_scaling.Scaling, found: batch_scaling.Found) -> batch_scaling.Scaling | None:
+    """The earliest figure over the batch that grows with it and that the terms reduced by
+    ``scaling``'s equation already depend on (they are no example's own), or None where that
+    equation reduces terms of the examples alone."""
+    root, seen = None, set()
+    current = scaling
+    while id(current.origin) not in seen:
+        seen.add(id(current.origin))
+        inner = [
+            found[a]
+            for a in current.origin.invars
+            if not compat.is_literal(a)
+            and a in found
+            and found[a].origin is not current.origin
+            and not (found[a].extreme or found[a].unknown)
+            and found[a].degree != 0
+        ]
+        if not inner:
+            break
+        current = root = inner[0]
+    return root
 
 
 def _refuse_pairs(rj: Any, twin: Mapping[int, Any], averaged: Mapping[Any, int], nmb: int) -> None:
