@@ -17,6 +17,7 @@ from autopar._src import (
     intra_op,
     memory,
     microbatch_checks,
+    microbatch_draws,
     microbatch_keys,
     multihost,
     partition,
@@ -101,8 +102,16 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             num_microbatches=plan.num_microbatches,
         )
         multi = plan.num_microbatches > 1 and step.region_index() is not None
+        # Draws that follow the batch are jax.jit's where they can be, else from folded keys.
+        draws = (
+            microbatch_draws.find(step, whole_batch(tuple(plan.cuts)), plan.num_microbatches)
+            if multi
+            else None
+        )
         drawing = (
-            microbatch_keys.drawing_per_example(step, whole_batch(tuple(plan.cuts))) if multi else frozenset()
+            microbatch_keys.drawing_per_example(step, whole_batch(tuple(plan.cuts)))
+            if multi and draws is None
+            else frozenset()
         )
         meshes = driver.stage_meshes(plan, devices)
         mb = batch_size // plan.num_microbatches if batch_size else 0
@@ -115,6 +124,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             drawing,
             whole_batch(tuple(plan.cuts)) if multi else None,
             stats,
+            draws,
         )
         # The memory model's parts of each layer (none for a step without autopar's gradient).
         prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None

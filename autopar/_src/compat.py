@@ -234,8 +234,10 @@ def while_body(eqn: Any) -> tuple[Any, int] | None:
 def bind_with_body(eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals: Sequence[Any]) -> list[Any]:
     """Binds ``eqn`` (a rematerialised call, a ``scan`` or a ``while``) on ``invals`` with its body ``body``
     replaced by the trace of ``fn`` (same operands and results), keeping every other param: a
-    checkpoint's policy and barrier against CSE, a scan's length, direction and unrolling."""
-    closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*(v.aval for v in body.invars))
+    checkpoint's policy and barrier against CSE, a scan's length, direction and unrolling.
+    A rematerialised call may take more operands than ``body`` (``fn`` then takes them too)."""
+    avals = [v.aval for v in body.invars] + [aval_of(x) for x in invals[len(body.invars) :]]
+    closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*avals)
     new, consts = jaxpr_and_consts(closed)
     if consts:
         raise RuntimeError(f"a {eqn.primitive.name} body traced to {len(consts)} constants; expected none")

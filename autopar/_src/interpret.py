@@ -111,6 +111,8 @@ def task_fn(
             var = op.outs[0][0] if op.outs and op.outs[0] is not None else None
             if op.kind == "acc" and op.mode == "fold":
                 outs = microbatch_keys.fold(vals[0], len(op.outs), op.key_impl)
+            elif op.kind == "acc" and op.mode == "index":
+                outs = [jnp.asarray(j, jnp.uint32) for j in range(len(op.outs))]
             elif op.kind == "acc":
                 outs = [_acc(op, vals, sums.accumulators.get(op.out[0]), mesh)]
                 if op.out[0].aval.weak_type:  # sums start from strong zeros; the step's value is weak

@@ -31,6 +31,7 @@ from autopar._src import (
     cost,
     fusion,
     layers,
+    microbatch_draws,
     microbatch_keys,
     region_outputs,
     schedule,
@@ -104,6 +105,7 @@ def build_program(
     drawing: frozenset[int] = frozenset(),
     whole: TracedStep | None = None,
     stats: batch_statistics.Statistics = batch_statistics.NONE,
+    draws: microbatch_draws.Draws | None = None,
 ) -> Program:
     """Partitions a traced step according to ``plan``.
 
@@ -112,7 +114,8 @@ def build_program(
     concatenated, as one value of the whole batch's shape; the other region outputs are
     averaged. ``drawing`` (:func:`autopar._src.microbatch_keys.drawing_per_example`) names the
     region inputs from which the loss draws random values per example: such a PRNG key is
-    folded with each microbatch's index. ``whole`` is the step traced at the whole batch, for
+    folded with each microbatch's index, unless ``draws`` (:func:`autopar._src.microbatch_draws.find`)
+    makes every such draw as ``jax.jit`` does for the whole batch. ``whole`` is the step traced at the whole batch, for
     the code outside the region that needs the whole batch (:mod:`~autopar._src.whole_batch`);
     without it, with several microbatches, that code is left out (a program whose pipeline tasks
     alone are timed). ``stats`` are the loss function's statistics of the batch
@@ -163,6 +166,7 @@ def build_program(
     consumer_stages: dict[Any, set[int]] = {}
     rkey = None
     folded: dict[Any, microbatch_keys.Folded] = {}
+    index_stages: set[int] = set()  # the stages whose region equations read the microbatch's index
     if region_at is not None:
         region = eqns[region_at]
         info = region.params["info"]
@@ -170,7 +174,7 @@ def build_program(
         rmap = dict(zip([*rj.constvars, *rj.invars], region.invars, strict=True))
 
         # With several microbatches each reads its own fold of a once-per-step PRNG key.
-        folded = microbatch_keys.keys_to_fold(rj, rmap, per_mb, drawing) if nmb > 1 else {}
+        folded = microbatch_keys.keys_to_fold(rj, rmap, per_mb, drawing) if nmb > 1 and draws is None else {}
 
         def rkey(a: Any, j: int) -> Any:  # noqa: F811
             if not _is_var(a):
@@ -186,6 +190,9 @@ def build_program(
 
         placement = region_eqn_placement(rj, plan.layer_to_stage())
         for eqn, where in zip(rj.eqns, placement, strict=True):
+            if draws is not None and nmb > 1 and id(eqn) in draws.top:  # reads the microbatch's index
+                eqn = microbatch_draws.with_index(eqn, draws)
+                index_stages.add(where[0])
             stage_ops.setdefault(where, []).append(layers.with_seed_scale(eqn, 1.0 / nmb))
             for v in _eqn_outvars(eqn):
                 made_in[v] = where
@@ -328,6 +335,8 @@ def build_program(
         made = made_by.get(key)
         lv = 0 if made is None else made[0] + (made[1] != st)
         pre_groups.setdefault((lv, st), []).append(microbatch_keys.fold_op(key, f, nmb))
+    if draws is not None and index_stages:
+        pre_groups.setdefault((0, min(index_stages)), []).append(microbatch_draws.index_op(draws, nmb))
 
     def once_tasks(phase: str, groups: dict[tuple[int, int], list[Op]]) -> list[Task]:
         return [

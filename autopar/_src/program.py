@@ -29,10 +29,10 @@ class Op:
     outs: tuple[Key | None, ...]
     """Output keys (None for a dropped output)."""
     eqn: Any = None
-    mode: Literal["", "zeros", "add", "sum", "copy", "mean", "concat", "fold"] = ""
+    mode: Literal["", "zeros", "add", "sum", "copy", "mean", "concat", "fold", "index"] = ""
     """For ``acc``: make a zero sum, add to it (one or more values), add up once-per-step
     values, pass a value on, divide the sum, join the microbatches' values of a per-example
-    output, or make each microbatch's PRNG key."""
+    output, make each microbatch's PRNG key, or make each microbatch's index."""
     divisor: float = 1
     """For ``acc`` in mode ``mean``: what the value is divided by: the number of microbatches to
     average over (1 for a gradient, whose microbatches' values add up to it), or the factor

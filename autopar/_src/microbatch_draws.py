@@ -1,0 +1,322 @@
+"""Dropout masks and other per-example draws with several microbatches, equal to ``jax.jit``'s.
+
+``jax.jit`` draws a dropout mask once for the whole batch, ``random_bits(key, (B, ...))``;
+run per microbatch, the loss function draws ``random_bits(key, (B / M, ...))``, which are not
+any microbatch's rows of it. JAX's default PRNG is counter based: element ``i`` of a draw is
+``threefry(key, i)``, ``i`` its flat index in the draw's shape (``jax_threefry_partitionable``,
+on by default). So microbatch ``j``'s rows of the whole batch's draw can be made alone: threefry
+of their flat indices in the whole draw's shape (:func:`draw`). Keys split per example
+(``jax.random.split(key, B)``) are made the same way.
+
+:func:`find` pairs the loss function's draws traced at one microbatch with those traced at the
+whole batch; a draw whose shape is ``M`` times longer in one dim for the whole batch reads the
+microbatch's index. :func:`with_index` replaces the loss function's equation that makes such
+a draw, directly or inside nested ``jit``, ``scan``, ``while``, ``cond`` and rematerialised
+bodies (each traced again), by a ``jit`` call that also reads the index, a value of each
+microbatch made once per step (:func:`index_op`). Where a draw cannot be made so (another PRNG,
+such as ``rbg``; a draw inside a ``custom_vjp``; a shape that changes otherwise with the batch)
+:func:`find` returns None, and each microbatch draws from its own fold of the key instead
+(:mod:`~autopar._src.microbatch_keys`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
+
+from autopar._src import compat
+from autopar._src.program import Op
+from autopar._src.trace import TracedStep
+
+_DRAWS = frozenset({"random_bits", "random_split"})
+_U32 = jnp.uint32
+_WORD = 1 << 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """How a draw's shape follows the batch: ``whole``, its shape for the whole batch, is the
+    microbatch's with dim ``dim`` ``num_microbatches`` times longer."""
+
+    whole: tuple[int, ...]
+    dim: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Draws:
+    """The loss function's draws that follow the batch, and the var of the microbatch's index
+    (a ``uint32`` scalar, tag ``j`` for microbatch ``j``) that their equations read."""
+
+    scaled: Mapping[int, Scaled]
+    """``id`` of each such draw equation (at any depth) -> how its shape follows the batch."""
+    top: frozenset[int]
+    """``id`` of the loss function's equations that make or hold such a draw."""
+    index: Any
+
+
+def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | None:
+    """The draws of ``step``'s loss function (traced at one microbatch) whose shape follows the
+    batch in ``whole`` (traced at the whole batch), if every such draw can be made as ``jax.jit``
+    makes it for the whole batch; None if one cannot (then keys are folded instead)."""
+    mine, theirs = (s.jaxpr.eqns[s.region_index()].params["info"].jaxpr for s in (step, whole))
+    ours, others = _rng_eqns(mine), _rng_eqns(theirs)
+    if len(ours) != len(others):
+        return None
+    scaled: dict[int, Scaled] = {}
+    top: set[int] = set()
+    for (i, eqn, rebindable), (_, other, _) in zip(ours, others, strict=True):
+        if eqn.primitive.name != other.primitive.name:
+            return None
+        shape, whole_shape = tuple(eqn.params["shape"]), tuple(other.params["shape"])
+        if shape == whole_shape:
+            continue
+        dims = (
+            [k for k, (a, b) in enumerate(zip(shape, whole_shape, strict=True)) if a != b]
+            if len(shape) == len(whole_shape)
+            else []
+        )
+        key_aval = eqn.invars[0].aval
+        if (
+            len(dims) != 1
+            or whole_shape[dims[0]] != num_microbatches * shape[dims[0]]
+            or whole_shape[dims[0]] >= _WORD
+            or math.prod(whole_shape) > _WORD * _WORD
+            or tuple(key_aval.shape) != tuple(other.invars[0].aval.shape)
+            or not rebindable
+        ):
+            return None
+        scaled[id(eqn)] = Scaled(whole_shape, dims[0])
+        top.add(id(mine.eqns[i]))
+    if not scaled:
+        return None
+    return Draws(scaled=scaled, top=frozenset(top), index=compat.Var(compat.shaped_array((), _U32)))
+
+
+def _rng_eqns(jaxpr: Any) -> list[tuple[int, Any, bool]]:
+    """``(index of the top-level equation, equation, whether it can be traced again with the
+    index)`` of every ``random_bits`` and ``random_split`` in ``jaxpr``, nested ones too, in order."""
+    found: list[tuple[int, Any, bool]] = []
+
+    def visit(i: int, eqn: Any, rebindable: bool) -> None:
+        if eqn.primitive.name in _DRAWS:
+            found.append((i, eqn, rebindable))
+        inner = rebindable and _rebindable(eqn)
+        for body in compat.bodies(eqn):
+            for e in body.eqns:
+                visit(i, e, inner)
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        visit(i, eqn, True)
+    return found
+
+
+def _rebindable(eqn: Any) -> bool:
+    return (
+        compat.is_call(eqn)
+        or compat.cond_branches(eqn) is not None
+        or compat.scan_loop(eqn) is not None
+        or eqn.primitive.name == "while"
+        or compat.remat_body(eqn) is not None
+    )
+
+
+@functools.cache
+def _checked(impl: str, partitionable: bool) -> bool:
+    """Whether :func:`_bits` gives ``jax.random``'s own draws for PRNG ``impl``: slices of a whole
+    draw, along its first and its last dim, for 8 and 32 bits, and split keys."""
+    with jax.ensure_compile_time_eval():
+        key = jax.random.key(7, impl=impl)
+        for whole, dim in (((6, 5), 0), ((3, 8), 1)):
+            shape = tuple(n // 2 if k == dim else n for k, n in enumerate(whole))
+            scaled = Scaled(whole, dim)
+            for j in range(2):
+                index = jnp.asarray(j, _U32)
+                rows = slice(j * shape[dim], (j + 1) * shape[dim])
+                cut = (slice(None),) * dim + (rows,)
+                for width in (8, 32):
+                    expected = jax.random.bits(key, whole, dtype=f"uint{width}")[cut]
+                    if not bool(
+                        jnp.array_equal(_bits("random_bits", width, shape, key, scaled, index), expected)
+                    ):
+                        return False
+                split = _bits("random_split", 0, shape, key, scaled, index)
+                expected = jax.random.split(key, whole)[cut]
+                if not bool(jnp.array_equal(jax.random.key_data(split), jax.random.key_data(expected))):
+                    return False
+    return True
+
+
+def supported(impl: str) -> bool:
+    """Whether draws of PRNG ``impl`` are made per microbatch as ``jax.jit`` makes them for the
+    whole batch: threefry, counter based (``jax_threefry_partitionable``), checked once."""
+    return impl == "threefry2x32" and _checked(impl, bool(jax.config.jax_threefry_partitionable))
+
+
+def draw(eqn: Any, key: Any, scaled: Scaled, index: Any) -> Any:
+    """The rows of the whole batch's draw that microbatch ``index`` reads, for ``eqn`` (a
+    ``random_bits`` or ``random_split`` whose shape follows the batch as ``scaled`` says): made
+    alone for a counter-based PRNG (:func:`supported`), else cut from the whole batch's draw."""
+    name, shape = eqn.primitive.name, tuple(eqn.params["shape"])
+    if supported(str(jax.random.key_impl(key))):
+        return _bits(name, eqn.params.get("bit_width", 0), shape, key, scaled, index)
+    whole = eqn.primitive.bind(key, **{**eqn.params, "shape": scaled.whole})
+    keys = key.ndim  # a draw from an array of keys has their dims first
+    rows = shape[scaled.dim]
+    return jax.lax.dynamic_slice_in_dim(whole, jnp.asarray(index, _U32) * _U32(rows), rows, keys + scaled.dim)
+
+
+def _bits(name: str, width: int, shape: tuple[int, ...], key: Any, scaled: Scaled, index: Any) -> Any:
+    data = jax.random.key_data(key)
+    keys = data.shape[:-1]
+    full = (*keys, *shape)
+    k1, k2 = (jax.lax.broadcast_in_dim(data[..., w], full, tuple(range(len(keys)))) for w in (0, 1))
+    hi, lo = (
+        jax.lax.broadcast_in_dim(c, full, tuple(range(len(keys), len(full))))
+        for c in _counters(shape, scaled, index)
+    )
+    bits1, bits2 = threefry2x32_p.bind(k1, k2, hi, lo)
+    if name == "random_split":
+        return jax.random.wrap_key_data(jnp.stack([bits1, bits2], axis=-1), impl=jax.random.key_impl(key))
+    if width == 64:
+        wide = jnp.dtype("uint64")
+        return jax.lax.shift_left(bits1.astype(wide), jnp.asarray(32, wide)) | bits2.astype(wide)
+    mixed = bits1 ^ bits2
+    return mixed if width == 32 else mixed.astype(f"uint{width}")
+
+
+def _counters(shape: tuple[int, ...], scaled: Scaled, index: Any) -> tuple[Any, Any]:
+    """The flat indices in the whole draw's shape of microbatch ``index``'s elements, as ``uint64``
+    split into high and low ``uint32`` words (as ``jax.random`` counts them)."""
+    whole, dim = scaled.whole, scaled.dim
+    strides = [math.prod(whole[k + 1 :]) for k in range(len(whole))]
+    hi = jnp.zeros(shape, _U32)
+    lo = jnp.zeros(shape, _U32)
+    small = math.prod(whole) <= _WORD
+    for k, n in enumerate(shape):
+        if n == 1 and k != dim:
+            continue
+        at = jax.lax.broadcasted_iota(_U32, shape, k)
+        if k == dim:
+            at = at + jnp.asarray(index, _U32) * _U32(n)
+        if small:  # every index fits one word
+            lo = lo + at * _U32(strides[k])
+        else:
+            hi, lo = _add(hi, lo, *_times(at, strides[k]))
+    return hi, lo
+
+
+def _times(x: Any, c: int) -> tuple[Any, Any]:
+    """``x * c`` modulo ``2**64`` as high and low words, for ``uint32`` ``x`` and ``0 <= c < 2**64``."""
+    c_hi, c_lo = divmod(c, _WORD)
+    xl, xh = x & _U32(0xFFFF), x >> _U32(16)
+    cl, ch = _U32(c_lo & 0xFFFF), _U32(c_lo >> 16)
+    low, high = xl * cl, xh * ch
+    mid = xl * ch + xh * cl  # up to 33 bits: its carry is worth 2**48
+    mid_carry = (mid < xl * ch).astype(_U32)
+    lo = low + (mid << _U32(16))
+    hi = high + (mid >> _U32(16)) + (mid_carry << _U32(16)) + (lo < low).astype(_U32) + x * _U32(c_hi)
+    return hi, lo
+
+
+def _add(a_hi: Any, a_lo: Any, b_hi: Any, b_lo: Any) -> tuple[Any, Any]:
+    lo = a_lo + b_lo
+    return a_hi + b_hi + (lo < a_lo).astype(_U32), lo
+
+
+def with_index(eqn: Any, draws: Draws) -> Any:
+    """``eqn`` (one of the loss function's equations in ``draws.top``) as a ``jit`` call that also
+    reads the microbatch's index and makes its draws as :func:`draw` does."""
+    ins = [a for a in eqn.invars if not compat.is_literal(a)]
+
+    def fn(*xs: Any) -> list[Any]:
+        given = iter(xs[:-1])
+        vals = [compat.literal_value(a) if compat.is_literal(a) else next(given) for a in eqn.invars]
+        return _apply(eqn, vals, draws, xs[-1])
+
+    closed = jax.make_jaxpr(lambda *xs: jax.jit(fn)(*xs))(*(a.aval for a in ins), draws.index.aval)
+    traced, consts = compat.jaxpr_and_consts(closed)
+    (call,) = traced.eqns
+    assert not consts and not traced.constvars, "the traced draw closed over constants"
+    return call.replace(invars=[*ins, draws.index], outvars=list(eqn.outvars), source_info=eqn.source_info)
+
+
+def _holds(eqn: Any, draws: Draws) -> bool:
+    return any(id(e) in draws.scaled or _holds(e, draws) for body in compat.bodies(eqn) for e in body.eqns)
+
+
+def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], draws: Draws, index: Any) -> list[Any]:
+    env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
+
+    def read(a: Any) -> Any:
+        return compat.literal_value(a) if compat.is_literal(a) else env[a]
+
+    for eqn in jaxpr.eqns:
+        outs = _apply(eqn, [read(a) for a in eqn.invars], draws, index)
+        env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True) if not compat.is_dropvar(v))
+    return [read(a) for a in jaxpr.outvars]
+
+
+def _apply(eqn: Any, vals: list[Any], draws: Draws, index: Any) -> list[Any]:
+    """``eqn`` on ``vals``, its draws that follow the batch (nested ones too) made for microbatch
+    ``index`` as ``jax.jit`` makes them for the whole batch."""
+    if id(eqn) in draws.scaled:
+        return [draw(eqn, vals[0], draws.scaled[id(eqn)], index)]
+    if not _holds(eqn, draws):
+        return compat.bind_eqn(eqn, vals)
+
+    def run(body: Any, consts: Sequence[Any], *xs: Any) -> list[Any]:
+        return _run(body, consts, xs, draws, index)
+
+    if compat.is_call(eqn):
+        return run(*compat.call_body(eqn), *vals)
+    branches = compat.cond_branches(eqn)
+    if branches is not None:
+        fns = [functools.partial(run, body, consts) for body, consts in branches]
+        return list(jax.lax.switch(vals[0], fns, *vals[1:]))
+    loop = compat.scan_loop(eqn)
+    if loop is not None:
+        fixed, carry = vals[: loop.num_consts], vals[loop.num_consts : loop.num_consts + loop.num_carry]
+
+        def step(c: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+            out = run(loop.body, [], *fixed, *c, *x)
+            return out[: loop.num_carry], out[loop.num_carry :]
+
+        xs = vals[loop.num_consts + loop.num_carry :]
+        params = eqn.params
+        c, ys = jax.lax.scan(
+            step, carry, xs, length=loop.length, reverse=params["reverse"], unroll=params["unroll"]
+        )
+        return [*c, *ys]
+    if eqn.primitive.name == "while":
+        params = eqn.params
+        (cond, cond_consts), (body, body_consts) = (
+            compat.jaxpr_and_consts(params[k]) for k in ("cond_jaxpr", "body_jaxpr")
+        )
+        nc, nb = params["cond_nconsts"], params["body_nconsts"]
+        cond_fixed, body_fixed = vals[:nc], vals[nc : nc + nb]
+        return list(
+            jax.lax.while_loop(
+                lambda c: run(cond, cond_consts, *cond_fixed, *c)[0],
+                lambda c: run(body, body_consts, *body_fixed, *c),
+                vals[nc + nb :],
+            )
+        )
+    remat = compat.remat_body(eqn)
+    assert remat is not None, f"find() let a draw inside a {eqn.primitive.name} through"
+    # The index as one more operand, so the rematerialised body closes over nothing.
+    return compat.bind_with_body(
+        eqn, remat, lambda *xs: _run(remat, [], xs[:-1], draws, xs[-1]), [*vals, index]
+    )
+
+
+def index_op(draws: Draws, num_microbatches: int) -> Op:
+    """The op that makes every microbatch's index (once per step)."""
+    outs = tuple((draws.index, j) for j in range(num_microbatches))
+    return Op(kind="acc", mode="index", ins=(), outs=outs)
