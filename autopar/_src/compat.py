@@ -248,6 +248,12 @@ def bind_with_body(eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals
     return list(eqn.primitive.bind(*invals, **{**eqn.params, key: new}))
 
 
+def threefry_partitionable() -> bool:
+    """Whether threefry counts a draw's elements by their flat index in its shape
+    (``jax_threefry_partitionable``, on by default)."""
+    return bool(jax.config.values["jax_threefry_partitionable"])
+
+
 def source_line(eqn: Any, missing: str = "a line JAX did not record") -> str:
     """``file:line (function)`` of the user code that made ``eqn``: the innermost frame outside
     installed libraries (JAX, Flax, optax, ...) and autopar itself, else JAX's summary, else

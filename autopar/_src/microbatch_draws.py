@@ -156,7 +156,7 @@ def _checked(impl: str, partitionable: bool) -> bool:
 def supported(impl: str) -> bool:
     """Whether draws of PRNG ``impl`` are made per microbatch as ``jax.jit`` makes them for the
     whole batch: threefry, counter based (``jax_threefry_partitionable``), checked once."""
-    return impl == "threefry2x32" and _checked(impl, bool(jax.config.jax_threefry_partitionable))
+    return impl == "threefry2x32" and _checked(impl, compat.threefry_partitionable())
 
 
 def draw(eqn: Any, key: Any, scaled: Scaled, index: Any) -> Any:

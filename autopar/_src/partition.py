@@ -114,11 +114,12 @@ def build_program(
     concatenated, as one value of the whole batch's shape; the other region outputs are
     averaged. ``drawing`` (:func:`autopar._src.microbatch_keys.drawing_per_example`) names the
     region inputs from which the loss draws random values per example: such a PRNG key is
-    folded with each microbatch's index, unless ``draws`` (:func:`autopar._src.microbatch_draws.find`)
-    makes every such draw as ``jax.jit`` does for the whole batch. ``whole`` is the step traced at the whole batch, for
-    the code outside the region that needs the whole batch (:mod:`~autopar._src.whole_batch`);
-    without it, with several microbatches, that code is left out (a program whose pipeline tasks
-    alone are timed). ``stats`` are the loss function's statistics of the batch
+    folded with each microbatch's index, unless ``draws``
+    (:func:`autopar._src.microbatch_draws.find`) makes every such draw as ``jax.jit`` makes it
+    for the whole batch. ``whole`` is the step traced at the whole batch, for the code outside
+    the region that needs the whole batch (:mod:`~autopar._src.whole_batch`); without it, with
+    several microbatches, that code is left out (a program whose pipeline tasks alone are
+    timed). ``stats`` are the loss function's statistics of the batch
     (:func:`autopar._src.batch_statistics.find`, from
     :func:`~autopar._src.microbatch_checks.per_example_outputs`): made once per step from the whole batch,
     every microbatch reads its share of them in place of its own.
