@@ -11,12 +11,13 @@ of their flat indices in the whole draw's shape (:func:`draw`). Keys split per e
 :func:`find` pairs the loss function's draws traced at one microbatch with those traced at the
 whole batch; a draw whose shape is ``M`` times longer in one dim for the whole batch reads the
 microbatch's index. :func:`with_index` replaces the loss function's equation that makes such
-a draw, directly or inside nested ``jit``, ``scan``, ``while``, ``cond`` and rematerialised
-bodies (each traced again), by a ``jit`` call that also reads the index, a value of each
-microbatch made once per step (:func:`index_op`). Where a draw cannot be made so (another PRNG,
-such as ``rbg``; a draw inside a ``custom_vjp``; a shape that changes otherwise with the batch)
-:func:`find` returns None, and each microbatch draws from its own fold of the key instead
-(:mod:`~autopar._src.microbatch_keys`).
+a draw, directly or inside nested ``jit``, ``scan``, ``while``, ``cond``, rematerialised
+bodies and custom rules' primals (each traced again), by a ``jit`` call that also reads the
+index, a value of each microbatch made once per step (:func:`index_op`). A PRNG that is not
+counter based (``rbg``) draws the whole batch's values, and each microbatch keeps its rows.
+Where a draw cannot be made so (inside a ``shard_map``; a shape that changes otherwise with the
+batch, or in more than one dim) :func:`find` returns None, and each microbatch draws from its
+own fold of the key instead (:mod:`~autopar._src.microbatch_keys`).
 """
 
 from __future__ import annotations
@@ -117,9 +118,14 @@ def _rng_eqns(jaxpr: Any) -> list[tuple[int, Any, bool]]:
     return found
 
 
+# The loss function is differentiated already: a custom rule's primal runs as it is.
+_CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call"})
+
+
 def _rebindable(eqn: Any) -> bool:
     return (
         compat.is_call(eqn)
+        or (eqn.primitive.name in _CUSTOM_CALLS and compat.operand_body(eqn) is not None)
         or compat.cond_branches(eqn) is not None
         or compat.scan_loop(eqn) is not None
         or eqn.primitive.name == "while"
@@ -276,6 +282,8 @@ def _apply(eqn: Any, vals: list[Any], draws: Draws, index: Any) -> list[Any]:
 
     if compat.is_call(eqn):
         return run(*compat.call_body(eqn), *vals)
+    if eqn.primitive.name in _CUSTOM_CALLS:
+        return run(compat.operand_body(eqn), [], *vals)
     branches = compat.cond_branches(eqn)
     if branches is not None:
         fns = [functools.partial(run, body, consts) for body, consts in branches]

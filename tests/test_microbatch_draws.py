@@ -1,0 +1,251 @@
+"""Random draws that follow the batch (dropout masks, noise, keys split per example) with
+several microbatches: each microbatch makes its rows of the whole batch's draw, so the step
+equals ``jax.jit``'s."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from equality import TOLERANCES, as_numpy, assert_same_as_jit
+
+import autopar
+from autopar._src import microbatch_draws
+from models import train
+
+BATCH = 16
+
+
+def _plain_dropout(x, key):
+    return x * jax.random.bernoulli(key, 0.5, x.shape) * 2
+
+
+@jax.custom_vjp
+def _custom_vjp_dropout(x, key):
+    return _plain_dropout(x, key)
+
+
+def _dropout_fwd(x, key):
+    mask = jax.random.bernoulli(key, 0.5, x.shape) * 2
+    return x * mask, mask
+
+
+_custom_vjp_dropout.defvjp(_dropout_fwd, lambda mask, g: (g * mask, None))
+
+
+@pytest.mark.parametrize(
+    ("shape", "whole", "dim"),
+    [
+        ((2, 3), (8, 3), 0),
+        ((4, 3, 5), (4, 12, 5), 1),
+        # Flat indices past 2**32, counted in two words; the first dim's stride too.
+        ((2, 3), (2 * 2**31 - 2, 3), 0),
+        ((3, 2, 4), (3, 2 * 2**30, 4), 1),
+        ((2, 3, 5), (2, 3 * 2**30, 5), 1),
+    ],
+)
+def test_counters_are_the_flat_indices_of_the_microbatchs_rows_in_the_whole_draw(shape, whole, dim):
+    scaled = microbatch_draws.Scaled(whole, dim)
+    strides = [int(np.prod(whole[k + 1 :], dtype=object)) for k in range(len(whole))]
+    num_microbatches = whole[dim] // shape[dim]
+    for index in (0, 1, num_microbatches - 1):
+        hi, lo = microbatch_draws._counters(shape, scaled, jnp.uint32(index))
+        got = np.asarray(hi).astype(object) * 2**32 + np.asarray(lo).astype(object)
+        for at in np.ndindex(*shape):
+            rows = [a + (index * shape[dim] if k == dim else 0) for k, a in enumerate(at)]
+            assert got[at] == sum(r * s for r, s in zip(rows, strides, strict=True)), (at, index)
+
+
+def test_threefry_draws_are_made_alone_other_prngs_are_cut_from_the_whole_draw():
+    assert microbatch_draws.supported("threefry2x32")
+    assert not microbatch_draws.supported("rbg")
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+@pytest.mark.parametrize(
+    "dropout",
+    [
+        lambda x, key: nn.Dropout(0.5, deterministic=False).apply({}, x, rngs={"dropout": key}),
+        jax.checkpoint(_plain_dropout),  # the key is read inside a rematerialised block
+        _custom_vjp_dropout,
+    ],
+    ids=["flax", "remat", "custom-vjp"],
+)
+def test_each_microbatch_draws_its_rows_of_the_whole_batchs_mask(make_key, dropout):
+    def step(w, batch, key):
+        def loss_fn(w):
+            h = dropout(batch["x"] * w, key)
+            return jnp.mean(h**2), (h, key, jax.random.split(key)[0])
+
+        (loss, (h, same_key, next_key)), grad = autopar.value_and_grad(loss_fn, has_aux=True)(w)
+        return w - 0.1 * grad, h, same_key, next_key
+
+    w, batch, key = jnp.ones(()), {"x": jax.random.normal(jax.random.key(3), (BATCH, 32))}, make_key(1)
+    expected = jax.jit(step)(w, batch, key)
+    par = autopar.autoparallel(step, num_stages=1, num_microbatches=4, batch_argnums=1)
+    out = par(w, batch, key)
+    np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(expected[1]))  # the same masks
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(expected[0]), **TOLERANCES["sgd"])
+    np.testing.assert_array_equal(as_numpy(out[2]), as_numpy(key))  # returned as it came
+    np.testing.assert_array_equal(as_numpy(out[3]), as_numpy(expected[3]))  # split as under jit
+    # Each microbatch reads its index, made once per step; no key is folded.
+    modes = {op.mode for t in par.executable(w, batch, key).program.tasks for op in t.ops if op.kind == "acc"}
+    assert "index" in modes and "fold" not in modes
+
+
+def _time_major(x, key):
+    h = jnp.swapaxes(x, 0, 1)  # [tokens, batch, features]: the batch is the draw's second dim
+    return jnp.swapaxes(h * jax.random.bernoulli(key, 0.7, h.shape), 0, 1)
+
+
+def _split_per_example(x, key):
+    keys = jax.random.split(key, x.shape[0])
+    return jax.vmap(lambda k, row: row * jax.random.bernoulli(k, 0.7, row.shape))(keys, x)
+
+
+def _in_cond(x, key):
+    return jax.lax.cond(jnp.sum(x) > -1e9, lambda h: _plain_dropout(h, key), lambda h: h, x)
+
+
+def _in_a_loop(x, key):
+    def body(_, carry):
+        h, k = carry
+        k, sub = jax.random.split(k)
+        return jnp.tanh(h) * jax.random.bernoulli(sub, 0.8, h.shape), k
+
+    return jax.lax.fori_loop(0, 3, body, (x, key))[0]
+
+
+def _noise_per_example(x, key):
+    return x + 0.1 * jax.random.normal(key, (x.shape[0], 1, x.shape[2]))
+
+
+def _bytes(x, key):
+    return x * (jax.random.bits(key, x.shape, jnp.uint8) < 200)
+
+
+DRAWS = {
+    "time-major": (_time_major, jax.random.key),
+    "split-per-example": (_split_per_example, jax.random.key),
+    "cond": (_in_cond, jax.random.key),
+    "fori-loop": (_in_a_loop, jax.random.PRNGKey),
+    "noise": (_noise_per_example, jax.random.key),
+    "uint8": (_bytes, jax.random.key),
+    "rbg-key": (_time_major, lambda seed: jax.random.key(seed, impl="rbg")),
+}
+
+
+@pytest.mark.parametrize("name", DRAWS)
+def test_draws_that_follow_the_batch_equal_jit_over_microbatches_and_stages(name):
+    drop, make_key = DRAWS[name]
+
+    def loss_fn(w, x, key):
+        h = drop(jnp.tanh(x @ w["a"]), key)
+        return jnp.mean(drop(jnp.tanh(h @ w["b"]), jax.random.fold_in(key, 1)) ** 2)
+
+    def step(state, batch):
+        w, key = state
+        key, sub = jax.random.split(key)
+        loss, grad = autopar.value_and_grad(loss_fn)(w, batch["x"], sub)
+        return (jax.tree.map(lambda p, g: p - 0.1 * g, w, grad), key), loss
+
+    w = {k: jax.random.normal(jax.random.key(i), (8, 8)) * 0.3 for i, k in enumerate("ab")}
+    batches = [{"x": jax.random.normal(jax.random.key(10 + i), (BATCH, 6, 8))} for i in range(3)]
+    assert_same_as_jit(step, (w, make_key(1)), batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return nn.Dropout(0.5, deterministic=False)(nn.Dense(16)(h)), None
+
+
+class _Lifted(nn.Module):
+    lift: str
+
+    @nn.compact
+    def __call__(self, x):
+        lifted = {"params": True, "dropout": True}  # flax clones the key, then splits it per layer
+        if self.lift == "scan":
+            return nn.scan(_Block, variable_axes={"params": 0}, split_rngs=lifted, length=2)()(x, None)[0]
+        stack = nn.vmap(
+            _Block, variable_axes={"params": 0}, split_rngs=lifted, in_axes=(None, None), axis_size=2
+        )
+        return stack()(x, None)[0].mean(axis=0)
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+@pytest.mark.parametrize("lift", ["scan", "vmap"])
+def test_keys_split_by_lifted_layer_stacks_draw_jits_masks(lift, make_key):
+    model = _Lifted(lift)
+    params = model.init(jax.random.key(0), jnp.zeros((BATCH, 16)))["params"]
+
+    def step(state, batch):
+        params, key = state
+        key, sub = jax.random.split(key)
+
+        def loss_fn(p):
+            return jnp.mean(model.apply({"params": p}, batch["x"], rngs={"dropout": sub}) ** 2)
+
+        loss, grad = autopar.value_and_grad(loss_fn)(params)
+        return (jax.tree.map(lambda p, g: p - 0.1 * g, params, grad), key), loss
+
+    batches = [{"x": jax.random.normal(jax.random.key(i), (BATCH, 16))} for i in range(3)]
+    state = (params, make_key(1))
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4)
+
+
+def test_nested_jits_dropout_and_rng_like_hugging_face():
+    # Each block and the whole loss under jit; dropout keyed by an RNG carried in the
+    # state and split outside the gradient (once per step).
+    config = train.tiny_config("gpt", dropout_rate=0.1)
+    model = train.GPT(config)
+    tokens = train.make_batch("gpt", config, BATCH)["tokens"]
+    params = model.init(jax.random.key(0), tokens)["params"]
+    tx = optax.adamw(1e-2, eps=1e-5)
+    state = (params, tx.init(params), jax.random.key(1))
+
+    @jax.jit
+    def loss_fn(p, tokens, key):
+        logits = model.apply({"params": p}, tokens, deterministic=False, rngs={"dropout": key})
+        return train.next_token_loss(logits, tokens)
+
+    def step(state, batch):
+        params, opt_state, key = state
+        key, sub = jax.random.split(key)
+        loss, grads = autopar.value_and_grad(loss_fn)(params, batch["tokens"], sub)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), loss
+
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=4)
+
+
+@pytest.mark.parametrize("placed", [False, True])
+def test_a_typed_key_read_on_every_stage_moves_between_them(placed):
+    # The loss reads the state's key in every layer, so each step moves the new key from the
+    # stage that splits it to the others (and, placed on all 8 devices, to both at the start),
+    # and the microbatch's index from the first stage that draws to the other.
+    config = train.tiny_config("gpt", dropout_rate=0.1)
+    model = train.GPT(config)
+    batches = [train.make_batch("gpt", config, BATCH, seed=i) for i in range(3)]
+    params = model.init(jax.random.key(0), batches[0]["tokens"])["params"]
+    tx = optax.adamw(1e-2, eps=1e-5)
+    state = (params, tx.init(params), jax.random.key(1))
+    if placed:
+        everywhere = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
+        state = jax.device_put(state, jax.sharding.NamedSharding(everywhere, jax.sharding.PartitionSpec()))
+
+    def step(state, batch):
+        params, opt_state, key = state
+
+        def loss_fn(p):
+            logits = model.apply({"params": p}, batch["tokens"], deterministic=False, rngs={"dropout": key})
+            return train.next_token_loss(logits, batch["tokens"])
+
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, jax.random.split(key)[0]), loss
+
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=2)
