@@ -121,6 +121,13 @@ def _noise_per_example(x, key):
     return x + 0.1 * jax.random.normal(key, (x.shape[0], 1, x.shape[2]))
 
 
+def _diffusion(x, key):
+    # A noise level per example and Gaussian noise, drawn inside the loss function.
+    k_level, k_noise = jax.random.split(key)
+    level = jax.random.randint(k_level, (x.shape[0], 1, 1), 0, 10) / 10
+    return jnp.sqrt(1 - level) * x + jnp.sqrt(level) * jax.random.normal(k_noise, x.shape)
+
+
 def _bytes(x, key):
     return x * (jax.random.bits(key, x.shape, jnp.uint8) < 200)
 
@@ -131,6 +138,7 @@ DRAWS = {
     "cond": (_in_cond, jax.random.key),
     "fori-loop": (_in_a_loop, jax.random.PRNGKey),
     "noise": (_noise_per_example, jax.random.key),
+    "diffusion": (_diffusion, jax.random.PRNGKey),
     "uint8": (_bytes, jax.random.key),
     "rbg-key": (_time_major, lambda seed: jax.random.key(seed, impl="rbg")),
 }

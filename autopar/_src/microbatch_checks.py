@@ -149,7 +149,8 @@ def _require_batch_free_once_per_step(
                     "it draws random values in the batch's shape (e.g. a diffusion loss's noise), "
                     "which is one microbatch's there",
                     "Draw them with the data and pass them in the batch (then equal to jax.jit), "
-                    "draw them inside the loss function (each microbatch draws its own), or use "
+                    "draw them inside the loss function (each microbatch then draws its rows of "
+                    "the whole batch's, equal to jax.jit too), or use "
                     "num_microbatches=1.",
                 )
                 if eqn.primitive.name == "random_bits"
