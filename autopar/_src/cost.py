@@ -43,6 +43,11 @@ def splits_over_batch(aval: Any, rows: int) -> bool:
     return len(shape) >= 1 and rows > 0 and shape[0] == rows
 
 
+THREEFRY_OPS = 120.0
+"""Integer operations threefry2x32 spends per pair of words, counted as FLOPs: it is as
+compute bound (a microbatch's dropout bits, :mod:`~autopar._src.microbatch_draws`)."""
+
+
 def eqn_flops(eqn: Any) -> float:
     """FLOPs of the heavy operations in one equation (0 for light ones)."""
     return float(sum(eqn_flops_by_dtype(eqn).values()))
@@ -76,6 +81,8 @@ def eqn_flops_by_dtype(eqn: Any) -> dict[str, float]:
         points = _prod(lengths)
         transforms = _prod(eqn.outvars[0].aval.shape[: -len(lengths)])
         return {str(eqn.invars[0].aval.dtype): 5.0 * transforms * points * math.log2(max(points, 2))}
+    if name == "threefry2x32":  # 20 rounds of add, rotate and xor on two words, 5 key injections
+        return {"uint32": THREEFRY_OPS * _prod(eqn.outvars[0].aval.shape)}
     total: dict[str, float] = {}
     repeat = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
     for sub in jcore.jaxprs_in_params(eqn.params):

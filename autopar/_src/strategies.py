@@ -53,6 +53,10 @@ ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
 )
 """Primitives whose output follows its operands dim by dim (size-1 dims broadcast); jax 0.12
 adds ``log2`` and ``one_minus_square`` (``tanh``'s derivative)."""
+GENERATED_ELEMENTWISE: frozenset[str] = frozenset({"threefry2x32", "iota"})
+"""Laid out as elementwise primitives too: threefry's two results of one shape, and ``iota``,
+whose every device makes its own part (a microbatch's dropout bits are threefry of iotas,
+:mod:`~autopar._src.microbatch_draws`)."""
 REDUCTION_PRIMITIVES: frozenset[str] = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin".split()
 )
@@ -375,7 +379,12 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         result = _gather(eqn, mesh)
     elif name in ("scatter-add", "scatter_add"):
         result = _scatter_add(eqn, mesh)
-    elif (name in ELEMENTWISE_PRIMITIVES and len(eqn.outvars) == 1) or elementwise_call(eqn):
+    elif (
+        (name in ELEMENTWISE_PRIMITIVES and len(eqn.outvars) == 1)
+        or name in GENERATED_ELEMENTWISE
+        or (name == "bitcast_convert_type" and shape_of(eqn.invars[0]) == shape_of(eqn.outvars[0]))
+        or elementwise_call(eqn)
+    ):
         result = _elementwise(eqn, mesh)
     elif name in REDUCTION_PRIMITIVES and len(eqn.invars) == 1:
         result = _reduction(eqn, mesh)
