@@ -44,8 +44,8 @@ def splits_over_batch(aval: Any, rows: int) -> bool:
 
 
 THREEFRY_OPS = 120.0
-"""Integer operations threefry2x32 spends per pair of words, counted as FLOPs: it is as
-compute bound (a microbatch's dropout bits, :mod:`~autopar._src.microbatch_draws`)."""
+"""Integer operations threefry2x32 spends per pair of words (a dropout mask's element),
+counted as FLOPs: it is as compute bound."""
 
 
 def eqn_flops(eqn: Any) -> float:
@@ -81,7 +81,7 @@ def eqn_flops_by_dtype(eqn: Any) -> dict[str, float]:
         points = _prod(lengths)
         transforms = _prod(eqn.outvars[0].aval.shape[: -len(lengths)])
         return {str(eqn.invars[0].aval.dtype): 5.0 * transforms * points * math.log2(max(points, 2))}
-    if name == "threefry2x32":  # 20 rounds of add, rotate and xor on two words, 5 key injections
+    if name in ("threefry2x32", "random_bits"):  # 20 rounds of add, rotate and xor on two words
         return {"uint32": THREEFRY_OPS * _prod(eqn.outvars[0].aval.shape)}
     total: dict[str, float] = {}
     repeat = float(eqn.params.get("length", 1)) if name == "scan" else 1.0

@@ -56,7 +56,8 @@ adds ``log2`` and ``one_minus_square`` (``tanh``'s derivative)."""
 GENERATED_ELEMENTWISE: frozenset[str] = frozenset({"threefry2x32", "iota"})
 """Laid out as elementwise primitives too: threefry's two results of one shape, and ``iota``,
 whose every device makes its own part (a microbatch's dropout bits are threefry of iotas,
-:mod:`~autopar._src.microbatch_draws`)."""
+:mod:`~autopar._src.microbatch_draws`); so is ``random_bits`` from one key, which JAX counts so
+that XLA splits it."""
 REDUCTION_PRIMITIVES: frozenset[str] = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin".split()
 )
@@ -383,6 +384,7 @@ def eqn_strategies(eqn: Any, mesh: MeshSpec) -> tuple[Strategy, ...]:
         (name in ELEMENTWISE_PRIMITIVES and len(eqn.outvars) == 1)
         or name in GENERATED_ELEMENTWISE
         or (name == "bitcast_convert_type" and shape_of(eqn.invars[0]) == shape_of(eqn.outvars[0]))
+        or (name == "random_bits" and not shape_of(eqn.invars[0]))  # from one key
         or elementwise_call(eqn)
     ):
         result = _elementwise(eqn, mesh)
