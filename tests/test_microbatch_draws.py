@@ -257,3 +257,62 @@ def test_a_typed_key_read_on_every_stage_moves_between_them(placed):
         return (optax.apply_updates(params, updates), opt_state, jax.random.split(key)[0]), loss
 
     assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=2, num_microbatches=2)
+
+
+class _NoisyBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, deterministic):
+        # No attention biases: a key bias has no gradient, and Adam would amplify its rounding.
+        attention = nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.2, use_bias=False)
+        h = attention(nn.LayerNorm()(x), deterministic=deterministic)
+        keep = jax.random.bernoulli(self.make_rng("dropout"), 0.8, (x.shape[0], 1, 1))  # drop path
+        x = x + jnp.where(keep, h / 0.8, 0)
+        tokens = nn.LayerNorm()(x).reshape(-1, x.shape[-1])
+        logits = nn.Dense(4)(tokens)  # noisy gating over 4 experts, per token
+        noise = jax.random.normal(self.make_rng("dropout"), logits.shape) * nn.softplus(nn.Dense(4)(tokens))
+        experts = nn.Dense(4 * x.shape[-1])(tokens).reshape(-1, 4, x.shape[-1])
+        y = jnp.einsum("te,ted->td", jax.nn.softmax(logits + noise), experts).reshape(x.shape)
+        uniform = jax.random.uniform(self.make_rng("dropout"), y.shape, minval=1e-6, maxval=1.0)
+        return x + nn.Dropout(0.1)(y - 0.01 * jnp.log(-jnp.log(uniform)), deterministic=deterministic)
+
+
+class _NoisyNet(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(50, 32)(ids)
+        for _ in range(3):
+            x = nn.remat(_NoisyBlock, static_argnums=(2,))()(x, False)
+        return nn.Dense(50)(x)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_stages": 2, "num_microbatches": 4},
+        {"num_stages": 1, "num_microbatches": 2, "mesh_shape": (4, 2)},
+    ],
+    ids=["2-stages", "4x2-mesh"],
+)
+def test_attention_dropout_drop_path_and_noisy_gating_in_remat_blocks_equal_jit(options):
+    net = _NoisyNet()
+    rng = np.random.default_rng(0)
+    batches = [{"ids": rng.integers(0, 50, (BATCH, 8)).astype(np.int32)} for _ in range(3)]
+    params = net.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, batches[0]["ids"])[
+        "params"
+    ]
+    tx = optax.adamw(1e-2, eps=1e-5)
+
+    def step(state, batch):
+        params, opt_state, key = state
+        key, sub = jax.random.split(key)
+
+        def loss_fn(p):
+            logits = net.apply({"params": p}, batch["ids"], rngs={"dropout": sub})
+            return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], batch["ids"][:, 1:]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), loss
+
+    state = (params, tx.init(params), jax.random.PRNGKey(3))
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], **options)

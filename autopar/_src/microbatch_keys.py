@@ -1,4 +1,5 @@
-"""A distinct PRNG key for every microbatch, where the loss draws values per example.
+"""A distinct PRNG key for every microbatch, where the loss draws values per example that
+cannot be ``jax.jit``'s (:mod:`~autopar._src.microbatch_draws` makes the others).
 
 A key the loss function reads from outside it (dropout's, split once per step) is one value
 per step; run per microbatch unchanged, every microbatch would draw the same masks, the same
