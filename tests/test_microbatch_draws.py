@@ -289,7 +289,7 @@ class _NoisyNet(nn.Module):
     "options",
     [
         {"num_stages": 2, "num_microbatches": 4},
-        {"num_stages": 1, "num_microbatches": 2, "mesh_shape": (4, 2)},
+        pytest.param({"num_stages": 1, "num_microbatches": 2, "mesh_shape": (4, 2)}, marks=pytest.mark.slow),
     ],
     ids=["2-stages", "4x2-mesh"],
 )
