@@ -128,6 +128,11 @@ def _diffusion(x, key):
     return jnp.sqrt(1 - level) * x + jnp.sqrt(level) * jax.random.normal(k_noise, x.shape)
 
 
+def _poisson(x, key):
+    # Drawn in while loops (whose predicates read constants) over keys split per element.
+    return x * jax.random.poisson(key, 1.5, x.shape) / 1.5
+
+
 def _bytes(x, key):
     return x * (jax.random.bits(key, x.shape, jnp.uint8) < 200)
 
@@ -140,6 +145,7 @@ DRAWS = {
     "noise": (_noise_per_example, jax.random.key),
     "diffusion": (_diffusion, jax.random.PRNGKey),
     "uint8": (_bytes, jax.random.key),
+    "poisson": (_poisson, jax.random.key),
     "rbg-key": (_time_major, lambda seed: jax.random.key(seed, impl="rbg")),
 }
 

@@ -231,12 +231,14 @@ def while_body(eqn: Any) -> tuple[Any, int] | None:
     return body, skip
 
 
-def bind_with_body(eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals: Sequence[Any]) -> list[Any]:
+def bind_with_body(
+    eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals: Sequence[Any], extra: Sequence[Any] = ()
+) -> list[Any]:
     """Binds ``eqn`` (a rematerialised call, a ``scan`` or a ``while``) on ``invals`` with its body ``body``
     replaced by the trace of ``fn`` (same operands and results), keeping every other param: a
     checkpoint's policy and barrier against CSE, a scan's length, direction and unrolling.
-    A rematerialised call may take more operands than ``body`` (``fn`` then takes them too)."""
-    avals = [v.aval for v in body.invars] + [aval_of(x) for x in invals[len(body.invars) :]]
+    A rematerialised call may take ``extra`` operands after its own (``fn`` then takes them too)."""
+    avals = [v.aval for v in body.invars] + [aval_of(x) for x in extra]
     closed = jax.make_jaxpr(lambda *xs: list(fn(*xs)))(*avals)
     new, consts = jaxpr_and_consts(closed)
     if consts:
@@ -245,7 +247,7 @@ def bind_with_body(eqn: Any, body: Any, fn: Callable[..., Sequence[Any]], invals
     old = eqn.params[key]
     if getattr(old, "jaxpr", None) is not None and old.jaxpr is not old:  # a ClosedJaxpr (jax 0.10)
         new = jcore.ClosedJaxpr(new, [])
-    return list(eqn.primitive.bind(*invals, **{**eqn.params, key: new}))
+    return list(eqn.primitive.bind(*invals, *extra, **{**eqn.params, key: new}))
 
 
 def threefry_partitionable() -> bool:

@@ -15,9 +15,10 @@ a draw, directly or inside nested ``jit``, ``scan``, ``while``, ``cond``, remate
 bodies and custom rules' primals (each traced again), by a ``jit`` call that also reads the
 index, a value of each microbatch made once per step (:func:`index_op`). A PRNG that is not
 counter based (``rbg``) draws the whole batch's values, and each microbatch keeps its rows.
-Where a draw cannot be made so (inside a ``shard_map``; a shape that changes otherwise with the
-batch, or in more than one dim) :func:`find` returns None, and each microbatch draws from its
-own fold of the key instead (:mod:`~autopar._src.microbatch_keys`).
+Where a draw cannot be made so (gamma variates: ``jax.random.gamma``, ``beta``, ``dirichlet``;
+inside a ``shard_map``; a shape that changes otherwise with the batch, or in more than one dim)
+:func:`find` returns None, and each microbatch draws from its own fold of the key instead
+(:mod:`~autopar._src.microbatch_keys`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ from autopar._src.program import Op
 from autopar._src.trace import TracedStep
 
 _DRAWS = frozenset({"random_bits", "random_split"})
+# Gamma variates split their key per element inside the primitive, which no microbatch can do
+# as the whole batch's draw does: a step drawing them per example folds its keys.
+_UNPAIRED = frozenset({"random_gamma"})
 _U32 = jnp.uint32
 _WORD = 1 << 32
 
@@ -75,6 +79,10 @@ def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | 
     for (i, eqn, rebindable), (_, other, _) in zip(ours, others, strict=True):
         if eqn.primitive.name != other.primitive.name:
             return None
+        if eqn.primitive.name in _UNPAIRED:
+            if eqn.outvars[0].aval.shape != other.outvars[0].aval.shape:
+                return None
+            continue
         shape, whole_shape = tuple(eqn.params["shape"]), tuple(other.params["shape"])
         if shape == whole_shape:
             continue
@@ -102,11 +110,12 @@ def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | 
 
 def _rng_eqns(jaxpr: Any) -> list[tuple[int, Any, bool]]:
     """``(index of the top-level equation, equation, whether it can be traced again with the
-    index)`` of every ``random_bits`` and ``random_split`` in ``jaxpr``, nested ones too, in order."""
+    index)`` of every ``random_bits``, ``random_split`` and ``random_gamma`` in ``jaxpr``, nested
+    ones too, in order."""
     found: list[tuple[int, Any, bool]] = []
 
     def visit(i: int, eqn: Any, rebindable: bool) -> None:
-        if eqn.primitive.name in _DRAWS:
+        if eqn.primitive.name in _DRAWS | _UNPAIRED:
             found.append((i, eqn, rebindable))
         inner = rebindable and _rebindable(eqn)
         for body in compat.bodies(eqn):
@@ -320,7 +329,7 @@ def _apply(eqn: Any, vals: list[Any], draws: Draws, index: Any) -> list[Any]:
     assert remat is not None, f"find() let a draw inside a {eqn.primitive.name} through"
     # The index as one more operand, so the rematerialised body closes over nothing.
     return compat.bind_with_body(
-        eqn, remat, lambda *xs: _run(remat, [], xs[:-1], draws, xs[-1]), [*vals, index]
+        eqn, remat, lambda *xs: _run(remat, [], xs[:-1], draws, xs[-1]), vals, [index]
     )
 
 

@@ -40,9 +40,14 @@ class Folded:
     """For raw key data, its PRNG implementation's name (``"threefry2x32"``); empty if typed."""
 
 
+DRAWING = frozenset({"random_bits", "random_gamma"})
+"""Primitives that draw values from a key: bits, and gamma variates (one per element of their
+shape parameter, the key split inside; ``jax.random.gamma``, ``beta``, ``dirichlet``, ``t``)."""
+
+
 def drawing_per_example(step: TracedStep, whole: TracedStep) -> frozenset[int]:
     """Indices into the grad region's inputs of the values from which its loss draws random
-    values per example: values that reach a ``random_bits`` whose shape differs in ``whole``
+    values per example: values that reach a draw (:data:`DRAWING`) whose shape differs in ``whole``
     (the step traced at the whole batch) from ``step``'s (at one microbatch)."""
     mine, theirs = (s.jaxpr.eqns[s.region_index()].params["info"].jaxpr for s in (step, whole))
     draws, whole_draws = _draws(mine), _draws(theirs)
@@ -68,16 +73,16 @@ def drawing_per_example(step: TracedStep, whole: TracedStep) -> frozenset[int]:
 
 
 def _draws(jaxpr: Any) -> list[tuple[int, tuple[int, ...]]]:
-    """``(index of the top-level equation, shape)`` of every ``random_bits`` in ``jaxpr``, nested
-    bodies included, in order."""
+    """``(index of the top-level equation, shape)`` of every draw (:data:`DRAWING`) in ``jaxpr``,
+    nested bodies included, in order."""
     found = []
     for i, e in enumerate(jaxpr.eqns):
-        if e.primitive.name == "random_bits":
+        if e.primitive.name in DRAWING:
             found.append((i, tuple(e.outvars[0].aval.shape)))
         bodies = compat.bodies(e)
         while bodies:
             for inner in bodies.pop(0).eqns:
-                if inner.primitive.name == "random_bits":
+                if inner.primitive.name in DRAWING:
                     found.append((i, tuple(inner.outvars[0].aval.shape)))
                 bodies += compat.bodies(inner)
     return found
