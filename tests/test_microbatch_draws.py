@@ -322,3 +322,50 @@ def test_attention_dropout_drop_path_and_noisy_gating_in_remat_blocks_equal_jit(
 
     state = (params, tx.init(params), jax.random.PRNGKey(3))
     assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], **options)
+
+
+def _augment(key, image):
+    k_crop, k_flip = jax.random.split(key)
+    dy, dx = jax.random.randint(k_crop, (2,), 0, 3)
+    padded = jnp.pad(image, ((1, 1), (1, 1), (0, 0)), mode="reflect")
+    crop = jax.lax.dynamic_slice(padded, (dy, dx, 0), image.shape)
+    return jnp.where(jax.random.bernoulli(k_flip), crop[:, ::-1], crop)
+
+
+class _SmallCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
+        return nn.Dense(10)(x.mean((1, 2)))
+
+
+def test_random_crops_and_flips_per_example_inside_the_loss_equal_jit():
+    # On-device augmentation: one key per example, a random crop offset and flip each.
+    net = _SmallCNN()
+    params = net.init(jax.random.key(0), jnp.zeros((1, 8, 8, 3)))["params"]
+    tx = optax.sgd(0.1)
+
+    def step(state, batch):
+        params, opt_state, key = state
+        key, sub = jax.random.split(key)
+
+        def loss_fn(p):
+            images = jax.vmap(_augment)(jax.random.split(sub, batch["x"].shape[0]), batch["x"])
+            logits = net.apply({"params": p}, images)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, key), loss
+
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "x": rng.normal(size=(BATCH, 8, 8, 3)).astype(np.float32),
+            "y": rng.integers(0, 10, BATCH).astype(np.int32),
+        }
+        for _ in range(3)
+    ]
+    state = (params, tx.init(params), jax.random.key(1))
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
