@@ -369,3 +369,30 @@ def test_random_crops_and_flips_per_example_inside_the_loss_equal_jit():
     ]
     state = (params, tx.init(params), jax.random.key(1))
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
+
+
+def test_a_per_step_and_a_per_example_draw_of_one_shape_in_a_body_each_keep_their_kind():
+    # Weight noise on a [4, 4] weight and dropout on [4, 4] activations (4 examples per
+    # microbatch) by one checkpointed helper inside a scan: JAX's jit cache makes both one
+    # equation object at the microbatch's size; only the dropout's rows follow the batch.
+    drop = jax.checkpoint(lambda h, k: h * jax.random.bernoulli(k, 0.6, h.shape) / 0.6)
+
+    def loss_fn(w, x, key):
+        def layer(h, wk):
+            wl, k = wk
+            return drop(jnp.tanh(h @ drop(wl, jax.random.fold_in(k, 2))), k), None
+
+        h, _ = jax.lax.scan(layer, x, (w, jax.random.split(key, 2)))
+        return jnp.mean(h**2)
+
+    def step(state, batch):
+        w, key = state
+        key, sub = jax.random.split(key)
+        loss, grad = autopar.value_and_grad(loss_fn)(w, batch["x"], sub)
+        return (w - 0.1 * grad, key), loss
+
+    w = jax.random.normal(jax.random.key(0), (2, 4, 4)) * 0.5
+    batches = [{"x": jax.random.normal(jax.random.key(10 + i), (BATCH, 4))} for i in range(2)]
+    assert_same_as_jit(
+        step, (w, jax.random.key(1)), batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4
+    )

@@ -59,10 +59,10 @@ class Draws:
     """The loss function's draws that follow the batch, and the var of the microbatch's index
     (a ``uint32`` scalar, tag ``j`` for microbatch ``j``) that their equations read."""
 
-    scaled: Mapping[int, Scaled]
-    """``id`` of each such draw equation (at any depth) -> how its shape follows the batch."""
+    scaled: Mapping[Path, Scaled]
+    """The place of each such draw equation (at any depth) -> how its shape follows the batch."""
     top: frozenset[int]
-    """``id`` of the loss function's equations that make or hold such a draw."""
+    """Indices of the loss function's equations that make or hold such a draw."""
     index: Any
 
 
@@ -74,9 +74,8 @@ def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | 
     ours, others = _rng_eqns(mine), _rng_eqns(theirs)
     if len(ours) != len(others):
         return None
-    scaled: dict[int, Scaled] = {}
-    top: set[int] = set()
-    for (i, eqn, rebindable), (_, other, _) in zip(ours, others, strict=True):
+    scaled: dict[Path, Scaled] = {}
+    for (path, eqn, rebindable), (_, other, _) in zip(ours, others, strict=True):
         if eqn.primitive.name != other.primitive.name:
             return None
         if eqn.primitive.name in _UNPAIRED:
@@ -101,29 +100,37 @@ def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | 
             or not rebindable
         ):
             return None
-        scaled[id(eqn)] = Scaled(whole_shape, dims[0])
-        top.add(id(mine.eqns[i]))
+        scaled[path] = Scaled(whole_shape, dims[0])
     if not scaled:
         return None
-    return Draws(scaled=scaled, top=frozenset(top), index=compat.Var(compat.shaped_array((), _U32)))
+    top = frozenset(path[0] for path in scaled)
+    return Draws(scaled=scaled, top=top, index=compat.Var(compat.shaped_array((), _U32)))
 
 
-def _rng_eqns(jaxpr: Any) -> list[tuple[int, Any, bool]]:
-    """``(index of the top-level equation, equation, whether it can be traced again with the
-    index)`` of every ``random_bits``, ``random_split`` and ``random_gamma`` in ``jaxpr``, nested
-    ones too, in order."""
-    found: list[tuple[int, Any, bool]] = []
+Path = tuple[int, ...]
+"""Where an equation is: its index among the loss function's equations, then, for each body it
+is nested in, the body's index among its equation's :func:`~autopar._src.compat.bodies` and
+its own index there. JAX shares one equation object between calls of a cached ``jit`` (a
+per-step draw and a per-example one of the same microbatch shape), so places tell draws apart
+where ``id`` cannot."""
 
-    def visit(i: int, eqn: Any, rebindable: bool) -> None:
+
+def _rng_eqns(jaxpr: Any) -> list[tuple[Path, Any, bool]]:
+    """``(place, equation, whether it can be traced again with the index)`` of every
+    ``random_bits``, ``random_split`` and ``random_gamma`` in ``jaxpr``, nested ones too, in
+    order."""
+    found: list[tuple[Path, Any, bool]] = []
+
+    def visit(path: Path, eqn: Any, rebindable: bool) -> None:
         if eqn.primitive.name in _DRAWS | _UNPAIRED:
-            found.append((i, eqn, rebindable))
+            found.append((path, eqn, rebindable))
         inner = rebindable and _rebindable(eqn)
-        for body in compat.bodies(eqn):
-            for e in body.eqns:
-                visit(i, e, inner)
+        for b, body in enumerate(compat.bodies(eqn)):
+            for k, e in enumerate(body.eqns):
+                visit((*path, b, k), e, inner)
 
     for i, eqn in enumerate(jaxpr.eqns):
-        visit(i, eqn, True)
+        visit((i,), eqn, True)
     return found
 
 
@@ -245,15 +252,15 @@ def _add(a_hi: Any, a_lo: Any, b_hi: Any, b_lo: Any) -> tuple[Any, Any]:
     return a_hi + b_hi + (lo < a_lo).astype(_U32), lo
 
 
-def with_index(eqn: Any, draws: Draws) -> Any:
-    """``eqn`` (one of the loss function's equations in ``draws.top``) as a ``jit`` call that also
+def with_index(eqn: Any, at: int, draws: Draws) -> Any:
+    """``eqn``, the loss function's equation ``at`` (in ``draws.top``), as a ``jit`` call that also
     reads the microbatch's index and makes its draws as :func:`draw` does."""
     ins = [a for a in eqn.invars if not compat.is_literal(a)]
 
     def fn(*xs: Any) -> list[Any]:
         given = iter(xs[:-1])
         vals = [compat.literal_value(a) if compat.is_literal(a) else next(given) for a in eqn.invars]
-        return _apply(eqn, vals, draws, xs[-1])
+        return _apply(eqn, (at,), vals, draws, xs[-1])
 
     closed = jax.make_jaxpr(lambda *xs: jax.jit(fn)(*xs))(*(a.aval for a in ins), draws.index.aval)
     traced, consts = compat.jaxpr_and_consts(closed)
@@ -262,32 +269,32 @@ def with_index(eqn: Any, draws: Draws) -> Any:
     return call.replace(invars=[*ins, draws.index], outvars=list(eqn.outvars), source_info=eqn.source_info)
 
 
-def _holds(eqn: Any, draws: Draws) -> bool:
-    return any(id(e) in draws.scaled or _holds(e, draws) for body in compat.bodies(eqn) for e in body.eqns)
-
-
-def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], draws: Draws, index: Any) -> list[Any]:
+def _run(
+    jaxpr: Any, path: Path, consts: Sequence[Any], args: Sequence[Any], draws: Draws, index: Any
+) -> list[Any]:
     env = dict(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
 
     def read(a: Any) -> Any:
         return compat.literal_value(a) if compat.is_literal(a) else env[a]
 
-    for eqn in jaxpr.eqns:
-        outs = _apply(eqn, [read(a) for a in eqn.invars], draws, index)
+    for k, eqn in enumerate(jaxpr.eqns):
+        outs = _apply(eqn, (*path, k), [read(a) for a in eqn.invars], draws, index)
         env.update((v, x) for v, x in zip(eqn.outvars, outs, strict=True) if not compat.is_dropvar(v))
     return [read(a) for a in jaxpr.outvars]
 
 
-def _apply(eqn: Any, vals: list[Any], draws: Draws, index: Any) -> list[Any]:
-    """``eqn`` on ``vals``, its draws that follow the batch (nested ones too) made for microbatch
-    ``index`` as ``jax.jit`` makes them for the whole batch."""
-    if id(eqn) in draws.scaled:
-        return [draw(eqn, vals[0], draws.scaled[id(eqn)], index)]
-    if not _holds(eqn, draws):
+def _apply(eqn: Any, path: Path, vals: list[Any], draws: Draws, index: Any) -> list[Any]:
+    """``eqn``, at ``path``, on ``vals``, its draws that follow the batch (nested ones too) made
+    for microbatch ``index`` as ``jax.jit`` makes them for the whole batch."""
+    if path in draws.scaled:
+        return [draw(eqn, vals[0], draws.scaled[path], index)]
+    if not any(len(p) > len(path) and p[: len(path)] == path for p in draws.scaled):
         return compat.bind_eqn(eqn, vals)
+    bodies = compat.bodies(eqn)
 
-    def run(body: Any, consts: Sequence[Any], *xs: Any) -> list[Any]:
-        return _run(body, consts, xs, draws, index)
+    def run(body: Any, consts: Sequence[Any], *xs: Any, index: Any = index) -> list[Any]:
+        b = next(b for b, known in enumerate(bodies) if body in (known, getattr(known, "jaxpr", None)))
+        return _run(body, (*path, b), consts, xs, draws, index)
 
     if compat.is_call(eqn):
         return run(*compat.call_body(eqn), *vals)
@@ -329,7 +336,7 @@ def _apply(eqn: Any, vals: list[Any], draws: Draws, index: Any) -> list[Any]:
     assert remat is not None, f"find() let a draw inside a {eqn.primitive.name} through"
     # The index as one more operand, so the rematerialised body closes over nothing.
     return compat.bind_with_body(
-        eqn, remat, lambda *xs: _run(remat, [], xs[:-1], draws, xs[-1]), vals, [index]
+        eqn, remat, lambda *xs: run(remat, [], *xs[:-1], index=xs[-1]), vals, [index]
     )
 
 

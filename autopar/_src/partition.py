@@ -190,9 +190,9 @@ def build_program(
             return (a, j)
 
         placement = region_eqn_placement(rj, plan.layer_to_stage())
-        for eqn, where in zip(rj.eqns, placement, strict=True):
-            if draws is not None and nmb > 1 and id(eqn) in draws.top:  # reads the microbatch's index
-                eqn = microbatch_draws.with_index(eqn, draws)
+        for at, (eqn, where) in enumerate(zip(rj.eqns, placement, strict=True)):
+            if draws is not None and nmb > 1 and at in draws.top:  # reads the microbatch's index
+                eqn = microbatch_draws.with_index(eqn, at, draws)
                 index_stages.add(where[0])
             stage_ops.setdefault(where, []).append(layers.with_seed_scale(eqn, 1.0 / nmb))
             for v in _eqn_outvars(eqn):
