@@ -396,3 +396,36 @@ def test_a_per_step_and_a_per_example_draw_of_one_shape_in_a_body_each_keep_thei
     assert_same_as_jit(
         step, (w, jax.random.key(1)), batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4
     )
+
+
+@pytest.mark.parametrize("num_microbatches", [1, 2])
+def test_a_mask_is_drawn_split_over_the_data_axis_each_device_making_its_rows(num_microbatches):
+    def loss_fn(w, x, key):
+        h = jnp.tanh(x @ w["a"])
+        return jnp.mean(jnp.tanh((h * jax.random.bernoulli(key, 0.7, h.shape)) @ w["b"]) ** 2)
+
+    def step(state, batch):
+        w, key = state
+        key, sub = jax.random.split(key)
+        loss, grad = autopar.value_and_grad(loss_fn)(w, batch["x"], sub)
+        return (jax.tree.map(lambda p, g: p - 0.1 * g, w, grad), key), loss
+
+    w = {k: jax.random.normal(jax.random.key(i), (64, 64)) * 0.3 for i, k in enumerate("ab")}
+    batches = [{"x": jax.random.normal(jax.random.key(10 + i), (64, 16, 64))} for i in range(3)]
+    state = (w, jax.random.key(1))
+    options = dict(num_stages=1, num_microbatches=num_microbatches, mesh_shape=(8,))
+    par = assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], **options)
+    exe = par.executable(state, batches[0])
+    rows = 64 // num_microbatches
+    if num_microbatches == 1:  # jax.random's own draw
+        draws = [
+            (t.stage, k)
+            for t in exe.program.tasks
+            for op in t.ops
+            if op.kind == "eqn" and op.eqn.primitive.name == "random_bits"
+            for k in op.outs
+        ]
+        specs = [exe.spec(k, stage) for stage, k in draws]
+    else:  # threefry of the microbatch's counters, inside the call that reads its index
+        specs = [p.spec for k, p in exe._inner_pins(0).items() if k.var.aval.shape == (rows, 16, 64)]
+    assert specs and all(spec == jax.sharding.PartitionSpec("data", None, None) for spec in specs)
