@@ -1,6 +1,7 @@
 """The central check: autopar's step gives the same results as single-device jax.jit."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -76,5 +77,20 @@ def classifier_step(inputs: str, labels: str):
 
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
+
+    return step
+
+
+def dropout_step(dropout):
+    """A step of a scalar weight ``w`` through ``dropout(batch["x"] * w, key)``: the new ``w``,
+    the dropped activations, the key the loss read and a key it split from it."""
+
+    def step(w, batch, key):
+        def loss_fn(w):
+            h = dropout(batch["x"] * w, key)
+            return jnp.mean(h**2), (h, key, jax.random.split(key)[0])
+
+        (loss, (h, same_key, next_key)), grad = autopar.value_and_grad(loss_fn, has_aux=True)(w)
+        return w - 0.1 * grad, h, same_key, next_key
 
     return step

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from equality import TOLERANCES, as_numpy, assert_same_as_jit
+from equality import TOLERANCES, as_numpy, assert_same_as_jit, dropout_step
 
 import autopar
 from autopar._src import microbatch_draws
@@ -73,13 +73,7 @@ def test_threefry_draws_are_made_alone_other_prngs_are_cut_from_the_whole_draw()
     ids=["flax", "remat", "custom-vjp"],
 )
 def test_each_microbatch_draws_its_rows_of_the_whole_batchs_mask(make_key, dropout):
-    def step(w, batch, key):
-        def loss_fn(w):
-            h = dropout(batch["x"] * w, key)
-            return jnp.mean(h**2), (h, key, jax.random.split(key)[0])
-
-        (loss, (h, same_key, next_key)), grad = autopar.value_and_grad(loss_fn, has_aux=True)(w)
-        return w - 0.1 * grad, h, same_key, next_key
+    step = dropout_step(dropout)
 
     w, batch, key = jnp.ones(()), {"x": jax.random.normal(jax.random.key(3), (BATCH, 32))}, make_key(1)
     expected = jax.jit(step)(w, batch, key)
@@ -92,6 +86,18 @@ def test_each_microbatch_draws_its_rows_of_the_whole_batchs_mask(make_key, dropo
     # Each microbatch reads its index, made once per step; no key is folded.
     modes = {op.mode for t in par.executable(w, batch, key).program.tasks for op in t.ops if op.kind == "acc"}
     assert "index" in modes and "fold" not in modes
+
+
+def _keyed_sgd_step(loss_fn):
+    """A step over ``(weights, key)``: splits the key, takes an SGD step on ``loss_fn(w, x, sub)``."""
+
+    def step(state, batch):
+        w, key = state
+        key, sub = jax.random.split(key)
+        loss, grad = autopar.value_and_grad(loss_fn)(w, batch["x"], sub)
+        return (jax.tree.map(lambda p, g: p - 0.1 * g, w, grad), key), loss
+
+    return step
 
 
 def _time_major(x, key):
@@ -158,11 +164,7 @@ def test_draws_that_follow_the_batch_equal_jit_over_microbatches_and_stages(name
         h = drop(jnp.tanh(x @ w["a"]), key)
         return jnp.mean(drop(jnp.tanh(h @ w["b"]), jax.random.fold_in(key, 1)) ** 2)
 
-    def step(state, batch):
-        w, key = state
-        key, sub = jax.random.split(key)
-        loss, grad = autopar.value_and_grad(loss_fn)(w, batch["x"], sub)
-        return (jax.tree.map(lambda p, g: p - 0.1 * g, w, grad), key), loss
+    step = _keyed_sgd_step(loss_fn)
 
     w = {k: jax.random.normal(jax.random.key(i), (8, 8)) * 0.3 for i, k in enumerate("ab")}
     batches = [{"x": jax.random.normal(jax.random.key(10 + i), (BATCH, 6, 8))} for i in range(3)]
@@ -385,11 +387,7 @@ def test_a_per_step_and_a_per_example_draw_of_one_shape_in_a_body_each_keep_thei
         h, _ = jax.lax.scan(layer, x, (w, jax.random.split(key, 2)))
         return jnp.mean(h**2)
 
-    def step(state, batch):
-        w, key = state
-        key, sub = jax.random.split(key)
-        loss, grad = autopar.value_and_grad(loss_fn)(w, batch["x"], sub)
-        return (w - 0.1 * grad, key), loss
+    step = _keyed_sgd_step(loss_fn)
 
     w = jax.random.normal(jax.random.key(0), (2, 4, 4)) * 0.5
     batches = [{"x": jax.random.normal(jax.random.key(10 + i), (BATCH, 4))} for i in range(2)]
@@ -404,11 +402,7 @@ def test_a_mask_is_drawn_split_over_the_data_axis_each_device_making_its_rows(nu
         h = jnp.tanh(x @ w["a"])
         return jnp.mean(jnp.tanh((h * jax.random.bernoulli(key, 0.7, h.shape)) @ w["b"]) ** 2)
 
-    def step(state, batch):
-        w, key = state
-        key, sub = jax.random.split(key)
-        loss, grad = autopar.value_and_grad(loss_fn)(w, batch["x"], sub)
-        return (jax.tree.map(lambda p, g: p - 0.1 * g, w, grad), key), loss
+    step = _keyed_sgd_step(loss_fn)
 
     w = {k: jax.random.normal(jax.random.key(i), (64, 64)) * 0.3 for i, k in enumerate("ab")}
     batches = [{"x": jax.random.normal(jax.random.key(10 + i), (64, 16, 64))} for i in range(3)]

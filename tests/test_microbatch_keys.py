@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from equality import TOLERANCES, as_numpy, assert_same_as_jit
+from equality import TOLERANCES, as_numpy, assert_same_as_jit, dropout_step
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -32,13 +32,7 @@ def _shard_dropout(x, key):
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
 @pytest.mark.parametrize("dropout", [_shard_dropout, jax.checkpoint(_shard_dropout)], ids=["plain", "remat"])
 def test_each_microbatch_draws_its_own_mask_from_the_key_folded_with_its_index(make_key, dropout):
-    def step(w, batch, key):
-        def loss_fn(w):
-            h = dropout(batch["x"] * w, key)
-            return jnp.mean(h**2), (h, key, jax.random.split(key)[0])
-
-        (loss, (h, same_key, next_key)), grad = autopar.value_and_grad(loss_fn, has_aux=True)(w)
-        return w - 0.1 * grad, h, same_key, next_key
+    step = dropout_step(dropout)
 
     w, batch, key = jnp.ones(()), {"x": jax.random.normal(jax.random.key(3), (4 * BATCH, 32))}, make_key(1)
     par = autopar.autoparallel(step, num_stages=1, num_microbatches=4, batch_argnums=1)
