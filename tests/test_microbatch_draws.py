@@ -139,6 +139,14 @@ def _poisson(x, key):
     return x * jax.random.poisson(key, 1.5, x.shape) / 1.5
 
 
+def _gamma_family(x, key):
+    # Gamma, beta and Dirichlet variates per example: their primitive splits the key per element.
+    k_gamma, k_beta, k_dirichlet = jax.random.split(key, 3)
+    gamma = jax.random.gamma(k_gamma, 1.0 + jnp.abs(x))
+    beta = jax.random.beta(k_beta, 2.0, 3.0, x.shape)
+    return x * gamma * beta * jax.random.dirichlet(k_dirichlet, jnp.ones(x.shape[-1]), x.shape[:-1])
+
+
 def _bytes(x, key):
     return x * (jax.random.bits(key, x.shape, jnp.uint8) < 200)
 
@@ -152,6 +160,7 @@ DRAWS = {
     "diffusion": (_diffusion, jax.random.PRNGKey),
     "uint8": (_bytes, jax.random.key),
     "poisson": (_poisson, jax.random.key),
+    "gamma-beta-dirichlet": (_gamma_family, jax.random.PRNGKey),
     "rbg-key": (_time_major, lambda seed: jax.random.key(seed, impl="rbg")),
 }
 

@@ -78,10 +78,10 @@ def test_an_array_of_keys_is_folded_key_by_key(make_key):
     )
 
 
-def test_gamma_variates_per_example_are_drawn_from_folded_keys():
-    # jax.random.gamma splits its key per element inside its primitive, which no microbatch can
-    # do as the whole batch's draw does: microbatch j draws from fold_in(key, j), not all
-    # microbatches the first one's variates.
+def test_gamma_variates_per_example_of_a_prng_not_counter_based_are_drawn_from_folded_keys():
+    # jax.random.gamma splits its key per element inside its primitive; with rbg keys no
+    # microbatch can split as the whole batch's draw does: microbatch j draws from
+    # fold_in(key, j), not all microbatches the first one's variates.
     def step(w, batch, key):
         def loss_fn(w):
             variates = jax.random.gamma(key, batch["a"])
@@ -90,7 +90,7 @@ def test_gamma_variates_per_example_are_drawn_from_folded_keys():
         (loss, variates), grad = autopar.value_and_grad(loss_fn, has_aux=True)(w)
         return w - 0.1 * grad, variates
 
-    w, batch, key = jnp.ones(()), {"a": jnp.linspace(1.0, 3.0, BATCH)}, jax.random.key(1)
+    w, batch, key = jnp.ones(()), {"a": jnp.linspace(1.0, 3.0, BATCH)}, jax.random.key(1, impl="rbg")
     out = autopar.autoparallel(step, num_stages=1, num_microbatches=4, batch_argnums=1)(w, batch, key)
     rows = BATCH // 4
     keys = [key, *(jax.random.fold_in(key, j) for j in range(1, 4))]

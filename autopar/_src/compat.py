@@ -7,6 +7,7 @@ Everything else in autopar uses public APIs only. Supported: jax 0.10.x
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 from collections.abc import Callable, Sequence
@@ -248,6 +249,21 @@ def bind_with_body(
     if getattr(old, "jaxpr", None) is not None and old.jaxpr is not old:  # a ClosedJaxpr (jax 0.10)
         new = jcore.ClosedJaxpr(new, [])
     return list(eqn.primitive.bind(*invals, *extra, **{**eqn.params, key: new}))
+
+
+def key_impl_name(aval: Any) -> str:
+    """The name of the PRNG implementation of a typed key's aval (``"threefry2x32"``)."""
+    return str(aval.dtype._impl.name)
+
+
+def gamma_variates(keys: Any, alphas: Any, log_space: bool) -> Any:
+    """One gamma variate per key and shape ``alphas`` (flat arrays), each drawn as
+    ``jax.random.gamma`` draws an element from its own split key (JAX's private per-element
+    sampler, vectorised as its lowering does)."""
+    from jax._src.random import core as random_core
+
+    one = functools.partial(random_core._gamma_one, log_space=log_space)
+    return jax.vmap(one)(keys, alphas)
 
 
 def threefry_partitionable() -> bool:

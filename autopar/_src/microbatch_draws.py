@@ -15,10 +15,11 @@ a draw, directly or inside nested ``jit``, ``scan``, ``while``, ``cond``, remate
 bodies and custom rules' primals (each traced again), by a ``jit`` call that also reads the
 index, a value of each microbatch made once per step (:func:`index_op`). A PRNG that is not
 counter based (``rbg``) draws the whole batch's values, and each microbatch keeps its rows.
-Where a draw cannot be made so (gamma variates: ``jax.random.gamma``, ``beta``, ``dirichlet``;
-inside a ``shard_map``; a shape that changes otherwise with the batch, or in more than one dim)
-:func:`find` returns None, and each microbatch draws from its own fold of the key instead
-(:mod:`~autopar._src.microbatch_keys`).
+Gamma variates (``jax.random.gamma``, ``beta``, ``dirichlet``) split their key per element,
+then draw each with JAX's sampler: made alike from the microbatch's split keys. Where a draw
+cannot be made so (gamma variates of another PRNG; inside a ``shard_map``; a shape that
+changes otherwise with the batch, or in more than one dim) :func:`find` returns None, and each
+microbatch draws from its own fold of the key instead (:mod:`~autopar._src.microbatch_keys`).
 """
 
 from __future__ import annotations
@@ -37,10 +38,7 @@ from autopar._src import compat
 from autopar._src.program import Op
 from autopar._src.trace import TracedStep
 
-_DRAWS = frozenset({"random_bits", "random_split"})
-# Gamma variates split their key per element inside the primitive, which no microbatch can do
-# as the whole batch's draw does: a step drawing them per example folds its keys.
-_UNPAIRED = frozenset({"random_gamma"})
+_DRAWS = frozenset({"random_bits", "random_split", "random_gamma"})
 _U32 = jnp.uint32
 _WORD = 1 << 32
 
@@ -78,11 +76,7 @@ def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | 
     for (path, eqn, rebindable), (_, other, _) in zip(ours, others, strict=True):
         if eqn.primitive.name != other.primitive.name:
             return None
-        if eqn.primitive.name in _UNPAIRED:
-            if eqn.outvars[0].aval.shape != other.outvars[0].aval.shape:
-                return None
-            continue
-        shape, whole_shape = tuple(eqn.params["shape"]), tuple(other.params["shape"])
+        shape, whole_shape = _shape(eqn), _shape(other)
         if shape == whole_shape:
             continue
         dims = (
@@ -98,6 +92,7 @@ def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | 
             or math.prod(whole_shape) > _WORD * _WORD
             or tuple(key_aval.shape) != tuple(other.invars[0].aval.shape)
             or not rebindable
+            or (eqn.primitive.name == "random_gamma" and not _gamma_made_alone(key_aval))
         ):
             return None
         scaled[path] = Scaled(whole_shape, dims[0])
@@ -122,7 +117,7 @@ def _rng_eqns(jaxpr: Any) -> list[tuple[Path, Any, bool]]:
     found: list[tuple[Path, Any, bool]] = []
 
     def visit(path: Path, eqn: Any, rebindable: bool) -> None:
-        if eqn.primitive.name in _DRAWS | _UNPAIRED:
+        if eqn.primitive.name in _DRAWS:
             found.append((path, eqn, rebindable))
         inner = rebindable and _rebindable(eqn)
         for b, body in enumerate(compat.bodies(eqn)):
@@ -136,6 +131,45 @@ def _rng_eqns(jaxpr: Any) -> list[tuple[Path, Any, bool]]:
 
 # The loss function is differentiated already: a custom rule's primal runs as it is.
 _CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call"})
+
+
+def _shape(eqn: Any) -> tuple[int, ...]:
+    """The shape a draw's parameters ask for (a gamma draw's: its shape operand's)."""
+    if eqn.primitive.name == "random_gamma":
+        return tuple(eqn.invars[1].aval.shape)
+    return tuple(eqn.params["shape"])
+
+
+def _gamma_made_alone(key_aval: Any) -> bool:
+    """Whether gamma variates from one key of ``key_aval``'s PRNG can be made per microbatch:
+    ``jax.random.gamma`` splits the key into one per element, by their flat index as threefry
+    counts, then draws each (checked once against ``jax.random.gamma``)."""
+    impl = compat.key_impl_name(key_aval)
+    return not key_aval.shape and supported(impl) and _gamma_checked(impl)
+
+
+@functools.cache
+def _gamma_checked(impl: str) -> bool:
+    with jax.ensure_compile_time_eval():
+        key = jax.random.key(3, impl=impl)
+        whole = jnp.linspace(0.2, 4.0, 12).reshape(6, 2)
+        expected = jax.random.gamma(key, whole)
+        for j in range(2):
+            try:
+                made = _gamma(
+                    key, whole[3 * j : 3 * (j + 1)], False, Scaled(whole.shape, 0), jnp.asarray(j, _U32)
+                )
+            except AttributeError:  # JAX's private sampler moved: fold the keys instead
+                return False
+            if not bool(jnp.allclose(made, expected[3 * j : 3 * (j + 1)], rtol=1e-6)):
+                return False
+    return True
+
+
+def _gamma(key: Any, alphas: Any, log_space: bool, scaled: Scaled, index: Any) -> Any:
+    keys = _bits("random_split", 0, tuple(alphas.shape), key, scaled, index)
+    flat = compat.gamma_variates(keys.reshape(-1), alphas.reshape(-1), log_space)
+    return flat.reshape(alphas.shape)
 
 
 def _rebindable(eqn: Any) -> bool:
@@ -181,11 +215,13 @@ def supported(impl: str) -> bool:
     return impl == "threefry2x32" and _checked(impl, compat.threefry_partitionable())
 
 
-def draw(eqn: Any, key: Any, scaled: Scaled, index: Any) -> Any:
+def draw(eqn: Any, key: Any, scaled: Scaled, index: Any, alphas: Any = None) -> Any:
     """The rows of the whole batch's draw that microbatch ``index`` reads, for ``eqn`` (a
     ``random_bits`` or ``random_split`` whose shape follows the batch as ``scaled`` says): made
     alone for a counter-based PRNG (:func:`supported`), else cut from the whole batch's draw."""
-    name, shape = eqn.primitive.name, tuple(eqn.params["shape"])
+    name, shape = eqn.primitive.name, _shape(eqn)
+    if name == "random_gamma":
+        return _gamma(key, alphas, eqn.params["log_space"], scaled, index)
     if supported(str(jax.random.key_impl(key))):
         return _bits(name, eqn.params.get("bit_width", 0), shape, key, scaled, index)
     whole = eqn.primitive.bind(key, **{**eqn.params, "shape": scaled.whole})
@@ -287,7 +323,7 @@ def _apply(eqn: Any, path: Path, vals: list[Any], draws: Draws, index: Any) -> l
     """``eqn``, at ``path``, on ``vals``, its draws that follow the batch (nested ones too) made
     for microbatch ``index`` as ``jax.jit`` makes them for the whole batch."""
     if path in draws.scaled:
-        return [draw(eqn, vals[0], draws.scaled[path], index)]
+        return [draw(eqn, vals[0], draws.scaled[path], index, *vals[1:])]
     if not any(len(p) > len(path) and p[: len(path)] == path for p in draws.scaled):
         return compat.bind_eqn(eqn, vals)
     bodies = compat.bodies(eqn)
