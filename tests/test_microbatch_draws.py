@@ -147,6 +147,11 @@ def _gamma_family(x, key):
     return x * gamma * beta * jax.random.dirichlet(k_dirichlet, jnp.ones(x.shape[-1]), x.shape[:-1])
 
 
+def _gamma_per_example_key(x, key):
+    keys = jax.random.split(key, x.shape[0])
+    return x * jax.vmap(jax.random.gamma)(keys, 1.0 + jnp.abs(x[:, 0, 0]))[:, None, None]
+
+
 def _bytes(x, key):
     return x * (jax.random.bits(key, x.shape, jnp.uint8) < 200)
 
@@ -161,6 +166,7 @@ DRAWS = {
     "uint8": (_bytes, jax.random.key),
     "poisson": (_poisson, jax.random.key),
     "gamma-beta-dirichlet": (_gamma_family, jax.random.PRNGKey),
+    "gamma-per-example-key": (_gamma_per_example_key, jax.random.key),
     "rbg-key": (_time_major, lambda seed: jax.random.key(seed, impl="rbg")),
 }
 

@@ -134,9 +134,10 @@ _CUSTOM_CALLS = frozenset({"custom_jvp_call", "custom_vjp_call"})
 
 
 def _shape(eqn: Any) -> tuple[int, ...]:
-    """The shape a draw's parameters ask for (a gamma draw's: its shape operand's)."""
+    """The shape a draw asks for from each key (a gamma draw's: its shape operand's, past the
+    keys' dims, as ``jax.random.gamma`` splits each key)."""
     if eqn.primitive.name == "random_gamma":
-        return tuple(eqn.invars[1].aval.shape)
+        return tuple(eqn.invars[1].aval.shape[eqn.invars[0].aval.ndim :])
     return tuple(eqn.params["shape"])
 
 
@@ -217,8 +218,9 @@ def supported(impl: str) -> bool:
 
 def draw(eqn: Any, key: Any, scaled: Scaled, index: Any, alphas: Any = None) -> Any:
     """The rows of the whole batch's draw that microbatch ``index`` reads, for ``eqn`` (a
-    ``random_bits`` or ``random_split`` whose shape follows the batch as ``scaled`` says): made
-    alone for a counter-based PRNG (:func:`supported`), else cut from the whole batch's draw."""
+    ``random_bits``, ``random_split`` or ``random_gamma`` of shape ``alphas`` whose shape follows
+    the batch as ``scaled`` says): made alone for a counter-based PRNG (:func:`supported`), else
+    cut from the whole batch's draw."""
     name, shape = eqn.primitive.name, _shape(eqn)
     if name == "random_gamma":
         return _gamma(key, alphas, eqn.params["log_space"], scaled, index)
