@@ -224,7 +224,7 @@ def draw(eqn: Any, key: Any, scaled: Scaled, index: Any, alphas: Any = None) -> 
     name, shape = eqn.primitive.name, _shape(eqn)
     if name == "random_gamma":
         return _gamma(key, alphas, eqn.params["log_space"], scaled, index)
-    if supported(str(jax.random.key_impl(key))):
+    if supported(compat.key_impl_name(eqn.invars[0].aval)):
         return _bits(name, eqn.params.get("bit_width", 0), shape, key, scaled, index)
     whole = eqn.primitive.bind(key, **{**eqn.params, "shape": scaled.whole})
     keys = key.ndim  # a draw from an array of keys has their dims first
