@@ -421,6 +421,7 @@ def test_whole_batch_code_that_changes_with_the_batch_size_is_an_error_with_micr
         lambda x: 0.7 * x + 0.3 * jnp.roll(x, 1, axis=0),  # mixup with the next example
         lambda x: x + 0.1 * x[::-1],  # an example's mirror in the batch
         lambda x: jnp.cumsum(x, axis=0) / 16,
+        lambda x: jnp.concatenate(jnp.split(x, 2)[::-1]),  # the batch's halves swapped
         lambda x: x + 0.01 * jnp.sort(x, axis=0),
         lambda x: x.at[0].set(0.0),  # the batch's first example, by position
         lambda x: jax.lax.dynamic_update_slice(x, jnp.zeros((2, x.shape[1])), (1, 0)),
@@ -439,6 +440,7 @@ def test_whole_batch_code_that_changes_with_the_batch_size_is_an_error_with_micr
         "roll",
         "rev",
         "cumsum",
+        "halves",
         "sort",
         "scatter",
         "update-slice",
@@ -509,6 +511,7 @@ def _above_the_median(losses):
     [
         (lambda x: 0.7 * x + 0.3 * jnp.roll(x, 1, axis=0), jnp.mean),  # mixup with the next example
         (lambda x: x + 0.1 * jnp.flip(x, 0), jnp.mean),
+        (lambda x: x, lambda losses: jnp.split(losses, 2)[0].mean()),  # the first half's
         (lambda x: x, lambda losses: jax.lax.top_k(losses, 4)[0].mean()),  # the hardest examples
         (lambda x: x, lambda losses: jnp.sort(losses)[-4:].mean()),
         (lambda x: x, _above_the_median),
@@ -521,6 +524,7 @@ def _above_the_median(losses):
     ids=[
         "roll",
         "flip",
+        "first-half",
         "top_k",
         "sorted",
         "median",

@@ -236,6 +236,8 @@ def _mixing(
             (p["start_indices"][d], p["limit_indices"][d], strides[d]) == (0, full[d], 1) for d in operand
         )
         return None if kept else e
+    if name == "split":  # ``jnp.split`` along the batch: each part a run of the examples
+        return e if p["axis"] in operand else None
     picks = name in ("dynamic_slice", "gather", "dynamic_update_slice") or name.startswith("scatter")
     if looped and picks and (indices is None or len(e.invars) < 2 or e.invars[1] not in indices.positions):
         return None  # by the loop's counter, maybe: but not by indices read from the batch
