@@ -411,6 +411,31 @@ def test_a_tied_gradient_is_deferred_whole_or_not_at_all():
             assert set(again.accumulators) == set(kept.accumulators) - {total}
 
 
+def test_a_gradient_that_adds_a_whole_value_to_partial_sums_is_not_deferred():
+    """``w @ w.T`` makes ``w``'s gradient from a partial sum over the data axis and from a value
+    made whole: kept stacked, the stacked dim's sum would count the whole one once per device."""
+
+    def loss_fn(p, x, y):
+        w = p["w2"]
+        h = jnp.tanh(jnp.tanh(x @ p["w1"]) @ (w + 0.01 * (w @ w.T)))
+        return jnp.mean((h @ p["w3"] - y) ** 2)
+
+    def step(p, batch):
+        loss, grads = autopar.value_and_grad(loss_fn)(p, batch["x"], batch["y"])
+        return jax.tree.map(lambda a, g: a - 0.5 * g, p, grads), loss
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    p = {"w1": jax.random.normal(keys[0], (8, 16)) * 0.3, "w2": jax.random.normal(keys[1], (16, 16)) * 0.3}
+    p["w3"] = jax.random.normal(keys[2], (16, 1)) * 0.3
+    batches = [
+        {"x": jax.random.normal(keys[3 + i], (16, 8)), "y": jax.random.normal(keys[4 - i], (16, 1))}
+        for i in range(2)
+    ]
+    par = assert_same_as_jit(step, p, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
+    kept = par.executable(p, batches[0]).deferred[0]
+    assert not any(v.aval.shape == (16, 16) for v in kept.accumulators)
+
+
 def test_a_weight_tied_across_stages_is_summed_per_stage_and_added_once_per_step():
     """A GPT whose logits decode with the token embedding, on two stages: the embedding's
     gradient adds the last stage's matmul to the first stage's scatter. Each stage keeps its

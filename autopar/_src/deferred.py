@@ -130,9 +130,11 @@ def deferred_sums(
     # One value may be several gradients (a loss reading ``a + b`` has ``(m, m)``), and one
     # gradient the sum of several (a tied weight's): chains sharing a root or a gradient are
     # stacked all, over the same axes, or none.
-    for chains in _sharing(gradient_chains(tasks, stage, partial_sums.__contains__)):
+    found = gradient_chains(tasks, stage, partial_sums.__contains__)
+    mixed = _adding_others(tasks, stage, found)
+    for chains in _sharing(found):
         axes = {partial_sums[c.root][1] for c in chains}
-        if len(axes) != 1 or not all(qualifies(c) for c in chains):
+        if len(axes) != 1 or not all(qualifies(c) and c.total not in mixed for c in chains):
             continue
         for chain in chains:
             operand_specs, summed = partial_sums[chain.root]
@@ -140,6 +142,22 @@ def deferred_sums(
             values.update((v, Stacked(summed, at=chain.at[v])) for v in chain.links)
             accumulators[chain.total] = Stacked(summed, at=chain.at[chain.total])
     return Deferred(values, accumulators)
+
+
+def _adding_others(tasks: Sequence[Task], stage: int, chains: Sequence[Chain]) -> set[Any]:
+    """The gradients whose accumulator also adds a value that no chain makes (``w @ w.T``'s
+    gradient: a sum of partial sums and of a value made whole): stacked, every device's partial
+    sum would hold that value, and the stacked dim's sum would count it once per device."""
+    ends = {(c.total, c.links[-1] if c.links else c.root) for c in chains}
+    return {
+        op.out[0]
+        for task in tasks
+        if task.stage == stage
+        for op in task.ops
+        if op.kind == "acc" and op.mode == "add"
+        for k in op.ins[1:]
+        if (op.out[0], k[0] if isinstance(k, tuple) else k) not in ends
+    }
 
 
 def _sharing(chains: Sequence[Chain]) -> list[list[Chain]]:
