@@ -500,6 +500,15 @@ def test_aux_outputs_reduced_over_the_batch_are_averaged_whatever_their_shape():
     assert out[1]["per_class"].shape == (config.num_classes,)
 
 
+@pytest.mark.parametrize("constant", [jnp.int32(7), jnp.float32(1.5), 3.0])
+def test_constant_aux_outputs_come_back_as_from_jit(constant):
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(lambda logits, y: {"constant": constant, "mean": logits.mean()})
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+    _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+
+
 def test_aux_outputs_neither_reduced_nor_per_example_are_an_error():
     config = train.tiny_config("mlp")
     state = train.linen_state("mlp", config, optax.sgd(0.1))

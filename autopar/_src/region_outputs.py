@@ -248,7 +248,8 @@ def require_combinable(
     combined: dict[Any, int] = {}  # aux outputs reduced over the batch: their index
     for i in range(1, 1 + num_aux):
         rv = rj.outvars[i]
-        if i in per_example or compat.is_literal(rv) or _before_boundaries(rj, rv) in whole_figures:
+        origin = _before_boundaries(rj, rv)  # a constant (a literal) comes through boundaries too
+        if i in per_example or compat.is_literal(origin) or origin in whole_figures:
             continue
         if not batch_scaling.is_float(rv) and rv in tainted:
             raise ValueError(
