@@ -333,10 +333,15 @@ def _tiled_back(z):
     return z + runs.reshape(2, z.shape[0], 5).transpose(1, 0, 2).reshape(z.shape)
 
 
+def _split_back(z):
+    first, second = jnp.split(jnp.tanh(jnp.concatenate([z[:, :5], z[:, 5:]])), 2)
+    return z + jnp.concatenate([second, first], axis=1)
+
+
 @pytest.mark.parametrize(
     "on_logits",
-    [_copies_by_division("side-by-side"), _tiled_back],
-    ids=["copies-side-by-side", "runs-put-back"],
+    [_copies_by_division("side-by-side"), _tiled_back, _split_back],
+    ids=["copies-side-by-side", "runs-put-back", "runs-split-back"],
 )
 def test_rows_laid_out_as_copies_or_runs_and_put_back_equal_jit_with_microbatches(on_logits):
     state, batches = _setup()

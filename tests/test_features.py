@@ -512,6 +512,10 @@ def _above_the_median(losses):
         (lambda x: 0.7 * x + 0.3 * jnp.roll(x, 1, axis=0), jnp.mean),  # mixup with the next example
         (lambda x: x + 0.1 * jnp.flip(x, 0), jnp.mean),
         (lambda x: x, lambda losses: jnp.split(losses, 2)[0].mean()),  # the first half's
+        # along the batch, differentiated as associative scans whose depth follows the batch
+        (lambda x: jax.lax.cummax(x, axis=0), jnp.mean),
+        (lambda x: jax.lax.cumlogsumexp(x, axis=0), jnp.mean),
+        (lambda x: jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (2, 1), (1, 1), "SAME"), jnp.mean),
         (lambda x: x, lambda losses: jax.lax.top_k(losses, 4)[0].mean()),  # the hardest examples
         (lambda x: x, lambda losses: jnp.sort(losses)[-4:].mean()),
         (lambda x: x, _above_the_median),
@@ -525,6 +529,9 @@ def _above_the_median(losses):
         "roll",
         "flip",
         "first-half",
+        "cummax",
+        "cumlogsumexp",
+        "max-pool",
         "top_k",
         "sorted",
         "median",

@@ -64,11 +64,12 @@ def require_examples_apart(
     tainted = {step.arg_vars[i] for i in batch_ids}
     positions = twin_traces.read_from_the_batch(mine, {v for v in tainted if twin_traces.whole_number(v)})
     indices = _Indices(tainted, _Static(mine, step), _Static(theirs, whole), positions)  # tainted grows
+    twins = dict(zip(step.jaxpr.invars, whole.jaxpr.invars, strict=True))
     for k, e in enumerate(mine):
+        other = twin_traces.reading_twins(e, twin.get(id(e)), twins)
         if not any(not compat.is_literal(a) and a in tainted for a in e.invars):
             continue
         tainted.update(v for v in e.outvars if not compat.is_dropvar(v))
-        other = twin.get(id(e))
         found = _mixing(e, other, nmb, indices) if k in feeding and other is not None else None
         if found is not None and len(twin) < len(mine) and _picks_a_row(found, positions):
             continue  # traces paired around a Python loop over the rows: row_loops follows them
@@ -143,8 +144,9 @@ def require_examples_apart_in_loss(
         rj.eqns, {v for v in data & set(rj.invars) if twin_traces.whole_number(v)}
     )
     indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns), positions)
+    twins = dict(zip(rj.invars, rw.invars, strict=True))
     for e in mine:
-        other = twin.get(id(e))
+        other = twin_traces.reading_twins(e, twin.get(id(e)), twins)
         found = _mixing(e, other, nmb, within=True, indices=indices) if id(e) in used and other else None
         if found is not None and len(twin) < len(mine) and _picks_a_row(found, positions):
             continue  # traces paired around a Python loop over the rows: a row's slice is its own
@@ -167,7 +169,11 @@ def _picks_a_row(e: Any, positions: Set[Any]) -> bool:
     paired around it (:func:`~autopar._src.twin_traces.twin_equations`), so that its slices
     look like picks by place."""
     name = e.primitive.name
-    if name in ("slice", "pad", "dynamic_slice", "dynamic_update_slice"):
+    if name == "slice":  # a strided one takes every other row: an associative scan's (``cummax``)
+        return all(k == 1 for k in e.params["strides"] or ())
+    if name == "pad":
+        return all(interior == 0 for _, _, interior in e.params["padding_config"])
+    if name in ("dynamic_slice", "dynamic_update_slice"):
         return True
     indexed = name == "gather" or name.startswith("scatter")
     return indexed and not (
@@ -236,8 +242,11 @@ def _mixing(
             (p["start_indices"][d], p["limit_indices"][d], strides[d]) == (0, full[d], 1) for d in operand
         )
         return None if kept else e
-    if name == "split":  # ``jnp.split`` along the batch: each part a run of the examples
+    if name == "split" and not within:  # ``jnp.split`` of the batch (inside: example_order)
         return e if p["axis"] in operand else None
+    if name.startswith("reduce_window"):  # a pooling window over neighbouring examples
+        alone = (p["window_dimensions"][d] == 1 and tuple(p["padding"][d]) == (0, 0) for d in operand)
+        return None if all(alone) else e
     picks = name in ("dynamic_slice", "gather", "dynamic_update_slice") or name.startswith("scatter")
     if looped and picks and (indices is None or len(e.invars) < 2 or e.invars[1] not in indices.positions):
         return None  # by the loop's counter, maybe: but not by indices read from the batch

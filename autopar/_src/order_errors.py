@@ -146,6 +146,17 @@ def mixed_layouts(e: Any, at: str) -> ValueError:
     )
 
 
+def split_examples(e: Any, at: str, nmb: int) -> ValueError:
+    """``e`` splits rows along the batch otherwise than into the runs they are laid out in."""
+    return ValueError(
+        f"The loss function takes examples by their place in the batch (at {at}: {_first(e)}): it "
+        f"splits the rows into parts, and with num_microbatches={nmb} each microbatch would split its "
+        "own examples, so a part would hold other examples than the whole batch's part. Split along "
+        "another dim, split only runs of all the examples (`jnp.concatenate([a, b])`) back into them, "
+        "or use num_microbatches=1."
+    )
+
+
 def tiled_returned(aux: int) -> ValueError:
     """Aux output ``aux`` holds rows laid out as runs of all the examples."""
     return ValueError(

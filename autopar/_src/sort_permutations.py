@@ -321,6 +321,10 @@ class Orders:
         elif name == "concatenate" and e.params["dimension"] == d_out:
             rows = [twin_traces.shape_of(a)[d_out] for a in e.invars]
             layout = row_layout.concatenated([self._layout(a) for a in e.invars], rows)
+        elif name == "split" and ins == {e.params["axis"]}:
+            layout = _split(layouts[0], e.params["sizes"])
+            if layout == row_layout.OTHER and checked:
+                raise order_errors.split_examples(e, self.line(e), self.nmb)
         elif name == "tile" and len(ins) == 1:
             reps = e.params["reps"][d_out]
             layout = row_layout.tiled(reps) if layouts[0] == row_layout.PLAIN else row_layout.OTHER
@@ -369,3 +373,13 @@ def floating(v: Any) -> bool:
 
 def integer(v: Any) -> bool:
     return twin_traces.of_kind(v, np.integer)
+
+
+def _split(layout: row_layout.Layout, sizes: Sequence[int]) -> row_layout.Layout:
+    """The layout of parts of ``sizes`` rows of rows laid out as ``layout``: equal parts of runs of
+    all the examples are runs of them; other parts are not split into examples' rows."""
+    kind, k = layout
+    parts = len(sizes)
+    if kind == "tiled" and k % parts == 0 and len(set(sizes)) == 1:
+        return row_layout.tiled(k // parts)
+    return row_layout.OTHER

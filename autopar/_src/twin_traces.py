@@ -37,6 +37,23 @@ def twin_equations(mine: Sequence[Any], theirs: Sequence[Any], nmb: int) -> dict
     return {id(q): r for q, r in pairs if _alike(q, r, nmb)}
 
 
+def reading_twins(e: Any, other: Any, twins: dict[Any, Any]) -> Any:
+    """``other``, ``e``'s twin equation (or None), reading the twins of ``e``'s operands where
+    ``twins`` knows them; records ``e``'s results' twins where ``other`` read those already. The
+    pairing around differences between the traces may put ``e`` against an equation that reads
+    other values (another level of an associative scan, whose depth follows the batch: the
+    derivative of ``cummax``): then ``e``'s operands are read against their own twins."""
+    if other is None:
+        return None
+    known = [None if compat.is_literal(a) else twins.get(a) for a in e.invars]
+    if all(k is None or k is b for k, b in zip(known, other.invars, strict=True)):
+        twins.update(
+            (v, w) for v, w in zip(e.outvars, other.outvars, strict=True) if not compat.is_dropvar(v)
+        )
+        return other
+    return other.replace(invars=[b if k is None else k for k, b in zip(known, other.invars, strict=True)])
+
+
 def _alike(q: Any, r: Any, nmb: int) -> bool:
     for v, w in zip([*q.invars, *q.outvars], [*r.invars, *r.outvars], strict=True):
         x, y = shape_of(v), shape_of(w)
