@@ -11,7 +11,7 @@ import pytest
 from equality import TOLERANCES, as_numpy, assert_same_as_jit, dropout_step
 
 import autopar
-from autopar._src import microbatch_draws
+from autopar._src import draw_layout, microbatch_draws
 from models import train
 
 BATCH = 16
@@ -35,26 +35,50 @@ _custom_vjp_dropout.defvjp(_dropout_fwd, lambda mask, g: (g * mask, None))
 
 
 @pytest.mark.parametrize(
-    ("shape", "whole", "dim"),
+    ("shape", "whole", "dim", "runs"),
     [
-        ((2, 3), (8, 3), 0),
-        ((4, 3, 5), (4, 12, 5), 1),
+        ((2, 3), (8, 3), 0, 1),
+        ((4, 3, 5), (4, 12, 5), 1, 1),
         # Flat indices past 2**32, counted in two words; the first dim's stride too.
-        ((2, 3), (2 * 2**31 - 2, 3), 0),
-        ((3, 2, 4), (3, 2 * 2**30, 4), 1),
-        ((2, 3, 5), (2, 3 * 2**30, 5), 1),
+        ((2, 3), (2 * 2**31 - 2, 3), 0, 1),
+        ((3, 2, 4), (3, 2 * 2**30, 4), 1, 1),
+        ((2, 3, 5), (2, 3 * 2**30, 5), 1, 1),
+        # Runs of the examples: the microbatch's rows of each.
+        ((6, 3), (24, 3), 0, 2),
+        ((2, 6, 5), (2, 18, 5), 1, 3),
+        ((4, 3), (2 * 2**31, 3), 0, 2),
     ],
 )
-def test_counters_are_the_flat_indices_of_the_microbatchs_rows_in_the_whole_draw(shape, whole, dim):
-    scaled = microbatch_draws.Scaled(whole, dim)
+def test_counters_are_the_flat_indices_of_the_microbatchs_rows_in_the_whole_draw(shape, whole, dim, runs):
+    scaled = microbatch_draws.Scaled(whole, dim, runs)
     strides = [int(np.prod(whole[k + 1 :], dtype=object)) for k in range(len(whole))]
     num_microbatches = whole[dim] // shape[dim]
+    rows = shape[dim] // runs  # in each run
     for index in (0, 1, num_microbatches - 1):
         hi, lo = microbatch_draws._counters(shape, scaled, jnp.uint32(index))
         got = np.asarray(hi).astype(object) * 2**32 + np.asarray(lo).astype(object)
         for at in np.ndindex(*shape):
-            rows = [a + (index * shape[dim] if k == dim else 0) for k, a in enumerate(at)]
-            assert got[at] == sum(r * s for r, s in zip(rows, strides, strict=True)), (at, index)
+            run, row = divmod(at[dim], rows)
+            whole_row = run * whole[dim] // runs + index * rows + row
+            place = [whole_row if k == dim else a for k, a in enumerate(at)]
+            assert got[at] == sum(r * s for r, s in zip(place, strides, strict=True)), (at, index)
+
+
+@pytest.mark.parametrize(
+    ("runs", "before", "after", "dims", "expected"),
+    [
+        (1, (8, 3), (2, 4, 3), (0, 1), None),  # two runs split off, but the draw is one block
+        (2, (8, 3), (2, 4, 3), (0, 1), 1),
+        (4, (8, 3), (2, 4, 3), (0, 1), 2),
+        (1, (8, 3), (4, 2, 3), (0, 0), 1),  # each example's rows split off after it
+        (2, (8, 3), (4, 2, 3), (0, 0), 2),
+        (1, (5, 4, 3), (20, 3), (1, 0), 5),  # time-major: the tokens before the batch make runs
+        (1, (4, 5, 3), (20, 3), (0, 0), 1),
+        (3, (6, 3), (2, 3, 3), (0, 1), None),
+    ],
+)
+def test_a_reshape_splits_or_merges_runs_of_the_examples(runs, before, after, dims, expected):
+    assert draw_layout._regrouped(runs, before, after, *dims) == expected
 
 
 def test_threefry_draws_are_made_alone_other_prngs_are_cut_from_the_whole_draw():
@@ -156,6 +180,25 @@ def _bytes(x, key):
     return x * (jax.random.bits(key, x.shape, jnp.uint8) < 200)
 
 
+def _two_runs(x, key):
+    # One draw for two views of the batch, its examples in the second dim: two runs of them.
+    masks = jax.random.bernoulli(key, 0.7, (2 * x.shape[0], *x.shape[1:])).reshape(2, *x.shape)
+    return x * masks[0] + jnp.roll(x, 1, axis=-1) * masks[1]
+
+
+def _flat_time_major(x, key):
+    # Drawn flat, tokens outermost, then regrouped: ``[tokens * batch, features]``.
+    h = jnp.swapaxes(x, 0, 1)
+    mask = jax.random.bernoulli(key, 0.7, (h.shape[0] * h.shape[1], h.shape[2])).reshape(h.shape)
+    return jnp.swapaxes(h * mask, 0, 1)
+
+
+def _flattened(x, key):
+    # Tokens flattened into the batch's rows, ``[batch * tokens, features]``, and back.
+    flat = x.reshape(-1, x.shape[-1])
+    return (flat * jax.random.bernoulli(key, 0.7, flat.shape)).reshape(x.shape)
+
+
 DRAWS = {
     "time-major": (_time_major, jax.random.key),
     "split-per-example": (_split_per_example, jax.random.key),
@@ -168,6 +211,10 @@ DRAWS = {
     "gamma-beta-dirichlet": (_gamma_family, jax.random.PRNGKey),
     "gamma-per-example-key": (_gamma_per_example_key, jax.random.key),
     "rbg-key": (_time_major, lambda seed: jax.random.key(seed, impl="rbg")),
+    "two-runs": (_two_runs, jax.random.key),
+    "flat-time-major": (_flat_time_major, jax.random.PRNGKey),
+    "flattened": (_flattened, jax.random.key),
+    "two-runs-rbg": (_two_runs, lambda seed: jax.random.key(seed, impl="rbg")),
 }
 
 

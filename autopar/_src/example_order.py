@@ -325,6 +325,17 @@ def require_batch_order_in_loss(
     Raises:
       ValueError: naming the sort and the equation, with their source lines.
     """
+    walk, (rj, rw), twins = walked(step, whole, nmb)
+    walk.run(rj.eqns, twins, twin_traces.feeding_outputs(rj, statistics))
+    walk.refuse_outputs(rj.outvars, rw.outvars)
+
+
+def walked(
+    step: TracedStep, whole: TracedStep, nmb: int, *, run: bool = False
+) -> tuple[_Walk, tuple[Any, Any], dict[int, Any]]:
+    """The walk of the loss function (what it knows of each value: orders, per-example dims,
+    layouts), the loss function traced at one microbatch and at the whole batch, and its
+    equations' twins (by ``id``). With ``run``, walked already, checking nothing."""
     rj = step.jaxpr.eqns[step.region_index()].params["info"].jaxpr
     rw = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
     walk = _Walk(nmb)
@@ -336,5 +347,6 @@ def require_batch_order_in_loss(
                 walk.read.add(v)
     twins = twin_traces.twin_equations(rj.eqns, rw.eqns, nmb)
     walk.differ = len(twins) < len(rj.eqns)
-    walk.run(rj.eqns, twins, twin_traces.feeding_outputs(rj, statistics))
-    walk.refuse_outputs(rj.outvars, rw.outvars)
+    if run:
+        walk.run(rj.eqns, twins, set())
+    return walk, (rj, rw), twins

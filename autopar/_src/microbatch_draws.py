@@ -10,7 +10,8 @@ of their flat indices in the whole draw's shape (:func:`draw`). Keys split per e
 
 :func:`find` pairs the loss function's draws traced at one microbatch with those traced at the
 whole batch; a draw whose shape is ``M`` times longer in one dim for the whole batch reads the
-microbatch's index. :func:`with_index` replaces the loss function's equation that makes such
+microbatch's index, and holds its rows of each run of the examples that dim holds
+(:mod:`~autopar._src.draw_layout`). :func:`with_index` replaces the loss function's equation that makes such
 a draw, directly or inside nested ``jit``, ``scan``, ``while``, ``cond``, rematerialised
 bodies and custom rules' primals (each traced again), by a ``jit`` call that also reads the
 index, a value of each microbatch made once per step (:func:`index_op`). A PRNG that is not
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.random import threefry2x32_p
 
-from autopar._src import compat
+from autopar._src import compat, draw_layout, example_order
 from autopar._src.program import Op
 from autopar._src.trace import TracedStep
 
@@ -46,10 +47,12 @@ _WORD = 1 << 32
 @dataclasses.dataclass(frozen=True)
 class Scaled:
     """How a draw's shape follows the batch: ``whole``, its shape for the whole batch, is the
-    microbatch's with dim ``dim`` ``num_microbatches`` times longer."""
+    microbatch's with dim ``dim`` ``num_microbatches`` times longer, its rows ``runs`` runs of
+    the examples (:mod:`~autopar._src.draw_layout`): the microbatch's rows are a block of each."""
 
     whole: tuple[int, ...]
     dim: int
+    runs: int = 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -98,6 +101,12 @@ def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | 
         scaled[path] = Scaled(whole_shape, dims[0])
     if not scaled:
         return None
+    walk, (loss, _), twins = example_order.walked(step, whole, num_microbatches, run=True)
+    for path, found in scaled.items():
+        runs = draw_layout.runs(loss, twins, path, walk, num_microbatches)
+        if runs is None:
+            return None
+        scaled[path] = dataclasses.replace(found, runs=runs)
     top = frozenset(path[0] for path in scaled)
     return Draws(scaled=scaled, top=top, index=compat.Var(compat.shaped_array((), _U32)))
 
@@ -227,9 +236,11 @@ def draw(eqn: Any, key: Any, scaled: Scaled, index: Any, alphas: Any = None) -> 
     if supported(compat.key_impl_name(eqn.invars[0].aval)):
         return _bits(name, eqn.params.get("bit_width", 0), shape, key, scaled, index)
     whole = eqn.primitive.bind(key, **{**eqn.params, "shape": scaled.whole})
-    keys = key.ndim  # a draw from an array of keys has their dims first
-    rows = shape[scaled.dim]
-    return jax.lax.dynamic_slice_in_dim(whole, jnp.asarray(index, _U32) * _U32(rows), rows, keys + scaled.dim)
+    at = key.ndim + scaled.dim  # a draw from an array of keys has their dims first
+    rows = shape[scaled.dim] // scaled.runs
+    runs = whole.reshape(*whole.shape[:at], scaled.runs, -1, *whole.shape[at + 1 :])
+    block = jax.lax.dynamic_slice_in_dim(runs, jnp.asarray(index, _U32) * _U32(rows), rows, at + 1)
+    return block.reshape(*whole.shape[:at], rows * scaled.runs, *whole.shape[at + 1 :])
 
 
 def _bits(name: str, width: int, shape: tuple[int, ...], key: Any, scaled: Scaled, index: Any) -> Any:
@@ -263,8 +274,10 @@ def _counters(shape: tuple[int, ...], scaled: Scaled, index: Any) -> tuple[Any, 
         if n == 1 and k != dim:
             continue
         at = jax.lax.broadcasted_iota(_U32, shape, k)
-        if k == dim:
-            at = at + jnp.asarray(index, _U32) * _U32(n)
+        if k == dim:  # row ``r`` of run ``q`` of the microbatch's, in the whole batch's run ``q``
+            rows = n // scaled.runs
+            run = (at // _U32(rows)) * _U32(whole[k] // scaled.runs - rows) if scaled.runs > 1 else 0
+            at = at + run + jnp.asarray(index, _U32) * _U32(rows)
         if small:  # every index fits one word
             lo = lo + at * _U32(strides[k])
         else:
