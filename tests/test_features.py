@@ -154,6 +154,42 @@ def test_a_batch_leaf_with_several_rows_per_example_is_an_error_naming_the_layou
         autopar.autoparallel(step)(state, {**batch, "captions": captions})
 
 
+def test_a_batch_size_written_in_the_code_is_an_error_naming_it_with_microbatches():
+    """autopar traces the step at one microbatch: a reshape to ``8 * seq`` rows fails there."""
+    w = jnp.eye(4) * 0.5
+
+    def step(w, batch):
+        def loss_fn(w):
+            h = jnp.tanh(batch["x"] @ w).reshape(8 * 3, 4) @ w  # the batch size, 8, as a number
+            return jnp.mean(h**2)
+
+        loss, grad = autopar.value_and_grad(loss_fn)(w)
+        return w - 0.1 * grad, loss
+
+    batch = {"x": jnp.ones((8, 3, 4))}
+    with pytest.raises(
+        ValueError, match=r"traced at 2 of the batch's 8 rows.*cannot reshape.*x\.reshape\(-1, d\)"
+    ):
+        autopar.autoparallel(step, num_stages=1, num_microbatches=4)(w, batch)
+    assert_same_as_jit(step, w, [batch], TOLERANCES["sgd"], num_stages=1, num_microbatches=1)
+
+
+def test_two_gradients_are_an_error_naming_them_before_the_second_is_cut_into_layers():
+    """The second loss reads ``x[8:]``, which one microbatch of 8 rows has none of."""
+
+    def loss_of(w, x):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ w) @ w))
+
+    def step(w, batch):
+        first, g1 = autopar.value_and_grad(loss_of)(w, batch["x"][:8])
+        second, g2 = autopar.value_and_grad(loss_of)(w, batch["x"][8:])
+        return w - 0.1 * (g1 + g2), first + second
+
+    w, batch = jnp.eye(4), {"x": jnp.ones((16, 4))}
+    with pytest.raises(ValueError, match="calls autopar.value_and_grad/grad more than once"):
+        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(w, batch)
+
+
 @pytest.mark.parametrize(
     "options,message",
     [

@@ -40,11 +40,34 @@ def trace_at(
     rows: int,
     options: trace.TraceOptions,
 ) -> trace.TracedStep:
-    """Traces ``fn`` abstractly with the batch leaves cut to ``rows`` rows."""
+    """Traces ``fn`` abstractly with the batch leaves cut to ``rows`` rows.
+
+    Raises:
+      ValueError: where the step fails at ``rows`` rows but traces at the batch's own, naming
+        the error and that the step reads the batch size from elsewhere than its shapes. Where
+        it fails at both, the batch's own error is raised.
+    """
     leaves, in_tree = jax.tree.flatten(args)
     ids = set(batch_ids)
-    abstract = [_abstract(x, rows if i in ids else None) for i, x in enumerate(leaves)]
-    return trace.trace_step(fn, jax.tree.unflatten(in_tree, abstract), options)
+
+    def at(n: int) -> trace.TracedStep:
+        abstract = [_abstract(x, n if i in ids else None) for i, x in enumerate(leaves)]
+        return trace.trace_step(fn, jax.tree.unflatten(in_tree, abstract), options)
+
+    full = next((int(jax.typeof(leaves[i]).shape[0]) for i in batch_ids if jax.typeof(leaves[i]).shape), rows)
+    if rows == full:
+        return at(rows)
+    try:
+        return at(rows)
+    except Exception as e:
+        at(full)  # the batch's own error, where it fails there too
+        raise ValueError(
+            f"The step fails when traced at {rows} of the batch's {full} rows, as autopar traces it "
+            f"(one microbatch, or a probe of the layers' costs): {type(e).__name__}: {e} At {full} rows "
+            "it traces, so it takes the batch size from elsewhere than the batch's shapes (a number "
+            "written in the code, as in x.reshape(8 * seq, d)). Read it from the arrays' shapes "
+            "(x.reshape(-1, d), x.shape[0]), or use num_microbatches=1."
+        ) from e
 
 
 def step_profile(

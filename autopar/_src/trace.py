@@ -56,14 +56,28 @@ def outside_user_mesh() -> Iterator[None]:
         _USER_MESH.reset(token)
 
 
+_REGIONS: contextvars.ContextVar[list[int]] = contextvars.ContextVar("autopar_regions")
+"""How many grad regions the step being traced has made."""
+
+
 @contextlib.contextmanager
 def tracing(options: TraceOptions) -> Iterator[None]:
     """Makes ``value_and_grad`` emit a grad region while tracing a step."""
-    token = _OPTIONS.set(options)
+    token, made = _OPTIONS.set(options), _REGIONS.set([0])
     try:
         yield
     finally:
         _OPTIONS.reset(token)
+        _REGIONS.reset(made)
+
+
+def _several_gradients(times: str) -> ValueError:
+    return ValueError(
+        f"The step calls autopar.value_and_grad/grad {times}; autopar pipelines exactly one gradient "
+        "computation per step. Combine the losses into one loss function, or, where one gradient "
+        "needs another (sharpness-aware minimization, a GAN's two players), take the others with "
+        "jax.grad: they run outside the pipeline, on the whole batch (num_microbatches=1)."
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -240,6 +254,10 @@ def _value_and_grad_arrays(
     options = _OPTIONS.get()
     if options is None:
         return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args)
+    made = _REGIONS.get()
+    made[0] += 1
+    if made[0] > 1:  # before this one is cut into layers: a second loss may have none
+        raise _several_gradients("more than once")
     # Nested use (a value_and_grad inside the loss) is an ordinary JAX grad.
     token = _OPTIONS.set(None)
     try:
@@ -301,13 +319,7 @@ class TracedStep:
         """
         found = find_regions(self.jaxpr)
         if len(found) > 1:
-            raise ValueError(
-                f"The step calls autopar.value_and_grad/grad {len(found)} times; autopar "
-                "pipelines exactly one gradient computation per step. Combine the losses "
-                "into one loss function, or, where one gradient needs another (sharpness-aware "
-                "minimization, a GAN's two players), take the others with jax.grad: they run "
-                "outside the pipeline, on the whole batch (num_microbatches=1)."
-            )
+            raise _several_gradients(f"{len(found)} times")
         return found[0] if found else None
 
 
