@@ -168,7 +168,7 @@ def test_a_batch_size_written_in_the_code_is_an_error_naming_it_with_microbatche
 
     batch = {"x": jnp.ones((8, 3, 4))}
     with pytest.raises(
-        ValueError, match=r"traced at 2 of the batch's 8 rows.*cannot reshape.*x\.reshape\(-1, d\)"
+        ValueError, match=r"traced with 2 rows in place of the batch's 8.*cannot reshape.*x\.reshape\(-1, d\)"
     ):
         autopar.autoparallel(step, num_stages=1, num_microbatches=4)(w, batch)
     assert_same_as_jit(step, w, [batch], TOLERANCES["sgd"], num_stages=1, num_microbatches=1)
@@ -188,6 +188,23 @@ def test_two_gradients_are_an_error_naming_them_before_the_second_is_cut_into_la
     w, batch = jnp.eye(4), {"x": jnp.ones((16, 4))}
     with pytest.raises(ValueError, match="calls autopar.value_and_grad/grad more than once"):
         autopar.autoparallel(step, num_stages=2, num_microbatches=2)(w, batch)
+
+
+def test_a_gradient_in_each_branch_of_a_cond_runs_whole_as_jit():
+    def loss_of(w, x):
+        return jnp.mean(jnp.tanh(jnp.tanh(x @ w) @ w))
+
+    def step(w, batch):
+        x = batch["x"]
+        loss, grad = jax.lax.cond(
+            x.sum() > 0,
+            lambda: autopar.value_and_grad(loss_of)(w, x),
+            lambda: autopar.value_and_grad(loss_of)(w, -x),
+        )
+        return w - 0.1 * grad, loss
+
+    batches = [{"x": jax.random.normal(jax.random.key(i), (16, 4))} for i in range(2)]
+    assert_same_as_jit(step, jnp.eye(4), batches, TOLERANCES["sgd"], num_microbatches=1)
 
 
 @pytest.mark.parametrize(

@@ -62,11 +62,11 @@ def trace_at(
     except Exception as e:
         at(full)  # the batch's own error, where it fails there too
         raise ValueError(
-            f"The step fails when traced at {rows} of the batch's {full} rows, as autopar traces it "
-            f"(one microbatch, or a probe of the layers' costs): {type(e).__name__}: {e} At {full} rows "
-            "it traces, so it takes the batch size from elsewhere than the batch's shapes (a number "
-            "written in the code, as in x.reshape(8 * seq, d)). Read it from the arrays' shapes "
-            "(x.reshape(-1, d), x.shape[0]), or use num_microbatches=1."
+            f"The step fails when traced with {rows} rows in place of the batch's {full}, as autopar "
+            f"traces it (one microbatch, or a probe of the layers' costs): {type(e).__name__}: {e} "
+            f"At {full} rows it traces, so it takes the batch size from elsewhere than the batch's "
+            "shapes (a number written in the code, as in x.reshape(8 * seq, d)). Read it from the "
+            "arrays' shapes (x.reshape(-1, d), x.shape[0]), or use num_microbatches=1."
         ) from e
 
 

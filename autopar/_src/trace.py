@@ -256,12 +256,14 @@ def _value_and_grad_arrays(
         return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(*args)
     made = _REGIONS.get()
     made[0] += 1
-    if made[0] > 1:  # before this one is cut into layers: a second loss may have none
-        raise _several_gradients("more than once")
     # Nested use (a value_and_grad inside the loss) is an ordinary JAX grad.
     token = _OPTIONS.set(None)
     try:
         return _region_value_and_grad(fun, argnums, has_aux, args, options)
+    except ValueError as e:
+        if made[0] > 1:  # a second loss, cut into layers, may have none: the cause is the second
+            raise _several_gradients("more than once") from e
+        raise
     finally:
         _OPTIONS.reset(token)
 
