@@ -233,6 +233,23 @@ def test_draws_that_follow_the_batch_equal_jit_over_microbatches_and_stages(name
     assert_same_as_jit(step, (w, make_key(1)), batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
 
 
+def test_two_views_of_a_draw_that_meet_each_other_alone_are_jits_runs():
+    """``(2B, d)`` reshaped to ``(2, B, d)``: its views meet no value of the batch, only each other,
+    example ``i``'s rows of both runs, as ``jax.jit`` pairs them."""
+
+    def loss_fn(w, x, key):
+        views = jax.random.normal(key, (2 * x.shape[0], x.shape[-1])).reshape(2, x.shape[0], x.shape[-1])
+        pairs = jnp.tanh(views[0] @ w["a"]) * jnp.tanh(views[1] @ w["a"])
+        return jnp.mean(jnp.tanh(x.mean(1) @ w["a"]) ** 2) + jnp.mean(pairs)
+
+    w = {"a": jax.random.normal(jax.random.key(0), (8, 8)) * 0.3}
+    batches = [{"x": jax.random.normal(jax.random.key(10 + i), (BATCH, 6, 8))} for i in range(2)]
+    step = _keyed_sgd_step(loss_fn)
+    assert_same_as_jit(
+        step, (w, jax.random.key(1)), batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4
+    )
+
+
 class _Block(nn.Module):
     @nn.compact
     def __call__(self, h, _):

@@ -14,6 +14,7 @@ import numpy as np
 from autopar._src import (
     autoplan,
     driver,
+    early_draws,
     intra_op,
     memory,
     microbatch_checks,
@@ -95,16 +96,26 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
                 step, plan = planning.reuse_plan(
                     fn, args, plan=agreed, batch_ids=batch_ids, batch_size=batch_size, devices=devices
                 )
+        multi = plan.num_microbatches > 1 and step.region_index() is not None
+        # Draws that follow the batch are jax.jit's where they can be; in the loss function,
+        # else from folded keys, and before it, else refused.
+        early = (
+            early_draws.find(step, whole_batch(tuple(plan.cuts)), plan.num_microbatches) if multi else None
+        )
         per_example, stats = microbatch_checks.per_example_outputs(
             step,
             functools.partial(whole_batch, tuple(plan.cuts)),
             batch_ids=batch_ids,
             num_microbatches=plan.num_microbatches,
+            drawn=early.top if early is not None else frozenset(),
         )
-        multi = plan.num_microbatches > 1 and step.region_index() is not None
-        # Draws that follow the batch are jax.jit's where they can be, else from folded keys.
         draws = (
-            microbatch_draws.find(step, whole_batch(tuple(plan.cuts)), plan.num_microbatches)
+            microbatch_draws.find(
+                step,
+                whole_batch(tuple(plan.cuts)),
+                plan.num_microbatches,
+                early.index if early is not None else None,
+            )
             if multi
             else None
         )
@@ -125,6 +136,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             whole_batch(tuple(plan.cuts)) if multi else None,
             stats,
             draws,
+            early,
         )
         # The memory model's parts of each layer (none for a step without autopar's gradient).
         prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None

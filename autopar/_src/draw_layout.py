@@ -22,8 +22,8 @@ before (:mod:`~autopar._src.example_mixing`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from autopar._src import compat, row_layout
 from autopar._src.sort_permutations import ANY
@@ -41,39 +41,54 @@ _PICKING = frozenset(
 followed."""
 
 
-def runs(loss: Any, twins: dict[int, Any], path: Sequence[int], walk: Any, nmb: int) -> Runs:
-    """The fewest runs the draw at ``path`` in ``loss`` (the loss function traced at one
-    microbatch; ``twins``: its equations' twins at the whole batch, by ``id``; ``walk``: what
-    :mod:`~autopar._src.example_order` knows of the batch's values) must be made with so that its
-    values meet the batch's laid out alike; None where no number of runs does."""
-    chain = _chain(loss, twins, path)
+def runs(
+    eqns: Sequence[Any],
+    twin_of: Callable[[Any], Any],
+    path: Sequence[int],
+    walk: Any,
+    nmb: int,
+    region: Region | None = None,
+) -> Runs:
+    """The fewest runs the draw at ``path`` in ``eqns`` (traced at one microbatch; ``twin_of``:
+    each one's twin at the whole batch) must be made with so that its values meet the batch's
+    laid out alike (``walk``: what :mod:`~autopar._src.example_order` knows of the batch's values
+    in the loss function); None where no number of runs does. ``region``: for a draw before the
+    loss function, its equation, to follow the draw's values into it."""
+    chain = _chain(eqns, twin_of, path)
     if chain is None:
         return 1  # the traces differ around the draw: nothing to follow
-    eqns, at, twin_of = chain[-1]
-    other = twin_of(eqns[at])
+    inner, at, inner_twin = chain[-1]
+    other = inner_twin(inner[at])
     if other is None:
         return 1
-    draw = eqns[at]
+    draw = inner[at]
     rows = shape_of(draw.outvars[0])
     dims = per_example_dims(draw.outvars[0], other.outvars[0], nmb)
     if len(dims) != 1:
         return 1
     (d,) = dims
     for k in (k for k in range(1, rows[d] + 1) if rows[d] % k == 0):
-        follow = _Follow(walk, nmb)
+        follow = _Follow(walk, nmb, region)
         follow.seed(draw.outvars[0], other.outvars[0], k)
         if follow.out_of(chain):
             return k
     return None
 
 
+class Region(NamedTuple):
+    """The loss function's equation in the step, its twin, and its equations' twins by ``id``."""
+
+    eqn: Any
+    twin: Any
+    twins: Mapping[int, Any]
+
+
 Level = tuple[Sequence[Any], int, Callable[[Any], Any]]
 """A body's equations, the index of the one holding the draw (or the draw), and its twin of each."""
 
 
-def _chain(loss: Any, twins: dict[int, Any], path: Sequence[int]) -> list[Level] | None:
-    """The bodies from the loss function down to the draw, each paired with its twin."""
-    eqns, twin_of = loss.eqns, lambda e: twins.get(id(e))
+def _chain(eqns: Sequence[Any], twin_of: Callable[[Any], Any], path: Sequence[int]) -> list[Level] | None:
+    """The bodies from ``eqns`` down to the draw, each paired with its twin."""
     chain: list[Level] = [(eqns, path[0], twin_of)]
     for b, k in zip(path[1::2], path[2::2], strict=True):
         eqn = eqns[chain[-1][1]]
@@ -96,9 +111,10 @@ def _pairing(eqns: Sequence[Any], twins: Sequence[Any]) -> Callable[[Any], Any]:
 class _Follow:
     """The draw's values (each with its twin and its runs) as the equations after it make them."""
 
-    def __init__(self, walk: Any, nmb: int) -> None:
+    def __init__(self, walk: Any, nmb: int, region: Region | None) -> None:
         self.walk = walk
         self.nmb = nmb
+        self.region = region
         self.runs: dict[Any, Runs] = {}
         self.twin: dict[Any, Any] = {}
         self.ok = True
@@ -131,6 +147,15 @@ class _Follow:
         return not compat.is_literal(a) and a in self.runs
 
     def eqn(self, e: Any, other: Any) -> None:
+        if self.region is not None and e is self.region.eqn:  # into the loss function
+            loss, twin = (x.params["info"].jaxpr for x in (e, self.region.twin))
+            for v, w, a in zip(
+                [*loss.constvars, *loss.invars], [*twin.constvars, *twin.invars], e.invars, strict=True
+            ):
+                if self._has(a):
+                    self.seed(v, w, self.runs[a])
+            self.run(loss.eqns, lambda x: self.region.twins.get(id(x)) if self.region else None)
+            return
         if other is None:
             self._meet(e)
             return
@@ -184,10 +209,11 @@ class _Follow:
                 self.seed(v, w, self.runs[o])
 
     def _meet(self, e: Any) -> None:
-        """Marks the draw laid out otherwise where one of its values in ``e`` meets one of the
-        batch's (or another of its own) laid out otherwise."""
+        """Marks the draw laid out otherwise where ``e`` reads one of its values regrouped so
+        that its rows are no microbatch's, or meets one of the batch's (or another of its own)
+        laid out otherwise."""
         mine = {self.runs[a] for a in e.invars if self._has(a)}
-        if len(mine) > 1:
+        if len(mine) > 1 or None in mine:  # rows regrouped otherwise are no microbatch's: not read
             self.ok = False
         theirs = [
             self.walk.layout.get(a, row_layout.PLAIN)

@@ -38,12 +38,14 @@ def require_examples_apart(
     batch_ids: Sequence[int],
     nmb: int,
     whole_figures: Set[Any] = frozenset(),
+    per_microbatch: Set[Any] = frozenset(),
 ) -> None:
     """Raises if an equation before the grad region combines examples of the batch (see the
     module's docstring); ``step`` is traced at one microbatch, ``whole`` at the whole batch.
     ``whole_figures``: values the microbatches read from the whole batch instead of making them
     (statistics, :mod:`~autopar._src.batch_statistics`): what only makes them may combine
-    examples.
+    examples. ``per_microbatch``: values made per microbatch as the batch's leaves are (its
+    per-example outputs, draws in the batch's shape).
 
     Raises:
       ValueError: naming the equation and its source line.
@@ -61,7 +63,7 @@ def require_examples_apart(
         if any(v in needed for v in mine[k].outvars if not compat.is_dropvar(v)):
             feeding.add(k)
             needed.update(a for a in mine[k].invars if not compat.is_literal(a) and a not in whole_figures)
-    tainted = {step.arg_vars[i] for i in batch_ids}
+    tainted = {step.arg_vars[i] for i in batch_ids} | set(per_microbatch)
     positions = twin_traces.read_from_the_batch(mine, {v for v in tainted if twin_traces.whole_number(v)})
     indices = _Indices(tainted, _Static(mine, step), _Static(theirs, whole), positions)  # tainted grows
     twins = dict(zip(step.jaxpr.invars, whole.jaxpr.invars, strict=True))
@@ -245,7 +247,17 @@ def _mixing(
     if name == "split" and not within:  # ``jnp.split`` of the batch (inside: example_order)
         return e if p["axis"] in operand else None
     if name.startswith("reduce_window"):  # a pooling window over neighbouring examples
-        alone = (p["window_dimensions"][d] == 1 and tuple(p["padding"][d]) == (0, 0) for d in operand)
+        alone = (
+            (
+                p["window_dimensions"][d],
+                p["window_strides"][d],
+                p["base_dilation"][d],
+                p["window_dilation"][d],
+            )
+            == (1, 1, 1, 1)
+            and tuple(p["padding"][d]) == (0, 0)
+            for d in operand
+        )
         return None if all(alone) else e
     picks = name in ("dynamic_slice", "gather", "dynamic_update_slice") or name.startswith("scatter")
     if looped and picks and (indices is None or len(e.invars) < 2 or e.invars[1] not in indices.positions):

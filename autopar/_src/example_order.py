@@ -165,6 +165,8 @@ class _Walk(sort_permutations.Orders):
         naming = name in _NAMING or (name == "convert_element_type" and integer(e.outvars[0]))
         order = ROWS if found == ROWS and naming else (BATCH if found == ROWS else found)
         self._lay_out(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked)
+        if name.startswith(_DRAWS):  # laid out as the rows it meets (draw_layout.py)
+            self.layout.update((v, row_layout.OTHER) for v in e.outvars if not compat.is_dropvar(v))
         perm = self._kept_perm(e, other, ins)
         kept = perm is not None and any(integer(v) for v in e.outvars)
         spans = {self.span.get(a) for a in e.invars if self.of(a) == ROWS}
@@ -335,18 +337,37 @@ def walked(
 ) -> tuple[_Walk, tuple[Any, Any], dict[int, Any]]:
     """The walk of the loss function (what it knows of each value: orders, per-example dims,
     layouts), the loss function traced at one microbatch and at the whole batch, and its
-    equations' twins (by ``id``). With ``run``, walked already, checking nothing."""
-    rj = step.jaxpr.eqns[step.region_index()].params["info"].jaxpr
-    rw = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
+    equations' twins (by ``id``). With ``run``, walked already, raising nothing. The loss
+    function's operands are laid out as the step's code before it lays out the batch's rows."""
+    at, at_whole = step.region_index(), whole.region_index()
+    region = step.jaxpr.eqns[at]
+    rj = region.params["info"].jaxpr
+    rw = whole.jaxpr.eqns[at_whole].params["info"].jaxpr
     walk = _Walk(nmb)
-    for v, w in zip(rj.invars, rw.invars, strict=True):
-        walk.dims[v] = per_example_dims(v, w, nmb)
-        if walk.dims[v]:
-            walk.order[v] = BATCH
-            if twin_traces.whole_number(v):
-                walk.read.add(v)
+    # The batch's rows as the step lays them out before the loss function (``jnp.tile``), unchecked.
+    _seed(walk, step.arg_vars, whole.arg_vars)
+    before, before_whole = step.jaxpr.eqns[:at], whole.jaxpr.eqns[:at_whole]
+    walk.run(before, twin_traces.twin_equations(before, before_whole, nmb), set())
+    laid = {
+        v: walk.layout[a]
+        for v, a in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
+        if a in walk.layout
+    }
+    walk = _Walk(nmb)
+    _seed(walk, rj.invars, rw.invars)
+    walk.layout.update(laid)
     twins = twin_traces.twin_equations(rj.eqns, rw.eqns, nmb)
     walk.differ = len(twins) < len(rj.eqns)
     if run:
         walk.run(rj.eqns, twins, set())
     return walk, (rj, rw), twins
+
+
+def _seed(walk: _Walk, mine: Sequence[Any], theirs: Sequence[Any]) -> None:
+    """Values read from the batch: ``mine`` at one microbatch, ``theirs`` at the whole batch."""
+    for v, w in zip(mine, theirs, strict=True):
+        walk.dims[v] = per_example_dims(v, w, walk.nmb)
+        if walk.dims[v]:
+            walk.order[v] = BATCH
+            if twin_traces.whole_number(v):
+                walk.read.add(v)

@@ -12,7 +12,7 @@ batch in :mod:`~autopar._src.batch_statistics`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 from autopar._src import (
@@ -35,6 +35,7 @@ def per_example_outputs(
     *,
     batch_ids: Sequence[int],
     num_microbatches: int,
+    drawn: Set[int] = frozenset(),
 ) -> tuple[dict[int, int], batch_statistics.Statistics]:
     """The outputs of the step's gradient region that hold a value per example, each with its
     batch dim: aux outputs such as the logits, and the gradients of batch inputs. Microbatches
@@ -45,7 +46,10 @@ def per_example_outputs(
     ``step`` is traced at one microbatch; with several, ``whole_batch()`` gives the step traced
     at the whole batch (:func:`~autopar._src.planning.trace_at`, at the same cuts: the regions
     are compared equation by equation) to compare the outputs' shapes, and the code that runs
-    once per step, which must not depend on the batch's shape.
+    once per step, which must not depend on the batch's shape. ``drawn``: the indices of the
+    equations before the loss function that make a draw per microbatch
+    (:func:`~autopar._src.early_draws.find`; the same in both traces): what they make runs per
+    microbatch, as the batch does.
 
     Returns:
       ``{index into the region's outputs: batch dim}``, and the statistics of the batch that the
@@ -79,15 +83,19 @@ def per_example_outputs(
             )
         dims[i] = grown[0]
     # Code reading the per-example outputs is refused later, naming the output.
-    seeds = (_batch_values(step, batch_ids, dims), _batch_values(whole, batch_ids, dims))
+    mine, theirs = (
+        _batch_values(s, batch_ids, dims) | {v for i in drawn for v in s.jaxpr.eqns[i].outvars}
+        for s in (step, whole)
+    )
+    seeds = (mine, theirs)
     stats = batch_statistics.find(step, whole, {step.arg_vars[i] for i in batch_ids}, num_microbatches)
     figures = batch_statistics.unread(step, stats)
-    example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches, figures)
+    example_mixing.require_examples_apart(step, whole, batch_ids, num_microbatches, figures, seeds[0])
     example_mixing.require_examples_apart_in_loss(step, whole, num_microbatches, set(stats.values))
     example_order.require_batch_order_in_loss(step, whole, num_microbatches, set(stats.values))
     averaged = [i for i in range(1 + num_aux) if i not in dims]
     share_scaling.require_linear_in_shares(step, stats, averaged)
-    _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures)
+    _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures, drawn)
     whole_figures = {v for v in stats.values if v not in stats.shares}
     region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches, whole_figures)
     return dims, stats
@@ -105,6 +113,7 @@ def _require_batch_free_once_per_step(
     seeds: tuple[set[Any], set[Any]],
     num_microbatches: int,
     figures: set[Any],
+    drawn: Set[int],
 ) -> None:
     """Checks that the equations before the grad region that read no value of one microbatch
     (``seeds`` and what derives from them) and that the microbatches read are the same in the
@@ -114,7 +123,7 @@ def _require_batch_free_once_per_step(
     whole batch (:mod:`~autopar._src.whole_batch`), as the code after the region does, and so does
     what only makes ``figures``, statistics of the batch (the element count ``jnp.std`` divides
     by)."""
-    mine, theirs = (_once_per_step(s, seed) for s, seed in zip(steps, seeds, strict=True))
+    mine, theirs = (_once_per_step(s, seed, drawn) for s, seed in zip(steps, seeds, strict=True))
     step = steps[0]
     at = step.region_index()
     # What the step reads of the code before the region, but for the statistics' makings, and of
@@ -146,11 +155,12 @@ def _require_batch_free_once_per_step(
         ):
             cause, fix = (
                 (
-                    "it draws random values in the batch's shape (e.g. a diffusion loss's noise), "
-                    "which is one microbatch's there",
+                    "it draws random values in the batch's shape that no microbatch can draw as its "
+                    "rows of the whole batch's (one that grows with the batch in two dims or out of "
+                    "proportion, inside a shard_map, or regrouped so that its rows meet the batch's in "
+                    "no runs of the examples)",
                     "Draw them with the data and pass them in the batch (then equal to jax.jit), "
-                    "draw them inside the loss function (each microbatch then draws its rows of "
-                    "the whole batch's, equal to jax.jit too), or use "
+                    "draw them per example (jax.random.split(key, batch) and jax.vmap), or use "
                     "num_microbatches=1.",
                 )
                 if eqn.primitive.name == "random_bits"
@@ -259,12 +269,12 @@ def _fill_of_the_batch(eqn: Any, other: Any, nmb: int, fills: set[Any]) -> bool:
     return True
 
 
-def _once_per_step(step: trace.TracedStep, seeds: set[Any]) -> list[Any]:
+def _once_per_step(step: trace.TracedStep, seeds: set[Any], drawn: Set[int]) -> list[Any]:
     """The equations before the grad region that read nothing derived from ``seeds`` (those
-    run per microbatch, at the microbatch's shape by design)."""
+    run per microbatch, at the microbatch's shape by design), nor make a draw per microbatch."""
     derived, at = step.derived(seeds), step.region_index()
     return [
         e
-        for e in step.jaxpr.eqns[:at]
-        if not any(not compat.is_literal(a) and a in derived for a in e.invars)
+        for i, e in enumerate(step.jaxpr.eqns[:at])
+        if i not in drawn and not any(not compat.is_literal(a) and a in derived for a in e.invars)
     ]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -67,17 +67,37 @@ class Draws:
     index: Any
 
 
-def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | None:
+def find(step: TracedStep, whole: TracedStep, num_microbatches: int, index: Any = None) -> Draws | None:
     """The draws of ``step``'s loss function (traced at one microbatch) whose shape follows the
     batch in ``whole`` (traced at the whole batch), if every such draw can be made as ``jax.jit``
-    makes it for the whole batch; None if one cannot (then keys are folded instead)."""
+    makes it for the whole batch; None if one cannot (then keys are folded instead). ``index``:
+    the microbatch's index to read (a new variable if None)."""
     mine, theirs = (s.jaxpr.eqns[s.region_index()].params["info"].jaxpr for s in (step, whole))
-    ours, others = _rng_eqns(mine), _rng_eqns(theirs)
+    scaled = scaled_draws(rng_eqns(mine.eqns), rng_eqns(theirs.eqns), num_microbatches)
+    if not scaled:
+        return None
+    walk, (loss, _), twins = example_order.walked(step, whole, num_microbatches, run=True)
+    return laid_out(
+        scaled,
+        lambda path: draw_layout.runs(loss.eqns, lambda e: twins.get(id(e)), path, walk, num_microbatches),
+        index,
+    )
+
+
+def scaled_draws(
+    ours: Sequence[tuple[Path, Any, bool]],
+    others: Sequence[tuple[Path, Any, bool]],
+    num_microbatches: int,
+    same_places: bool = False,
+) -> dict[Path, Scaled] | None:
+    """Of the draws ``ours`` (:func:`rng_eqns` traced at one microbatch) and ``others`` (at the
+    whole batch), those whose shape follows the batch; None if one of them cannot be made per
+    microbatch as ``jax.jit`` makes it (or the two differ, in places too with ``same_places``)."""
     if len(ours) != len(others):
         return None
     scaled: dict[Path, Scaled] = {}
-    for (path, eqn, rebindable), (_, other, _) in zip(ours, others, strict=True):
-        if eqn.primitive.name != other.primitive.name:
+    for (path, eqn, rebindable), (place, other, _) in zip(ours, others, strict=True):
+        if eqn.primitive.name != other.primitive.name or (same_places and path != place):
             return None
         shape, whole_shape = _shape(eqn), _shape(other)
         if shape == whole_shape:
@@ -99,16 +119,22 @@ def find(step: TracedStep, whole: TracedStep, num_microbatches: int) -> Draws | 
         ):
             return None
         scaled[path] = Scaled(whole_shape, dims[0])
-    if not scaled:
-        return None
-    walk, (loss, _), twins = example_order.walked(step, whole, num_microbatches, run=True)
+    return scaled
+
+
+def laid_out(
+    scaled: Mapping[Path, Scaled], runs: Callable[[Path], draw_layout.Runs], index: Any = None
+) -> Draws | None:
+    """The draws ``scaled``, each in the runs of the examples it holds (``runs`` of its place);
+    None where one holds them so that no runs give ``jax.jit``'s."""
+    laid = {}
     for path, found in scaled.items():
-        runs = draw_layout.runs(loss, twins, path, walk, num_microbatches)
-        if runs is None:
+        held = runs(path)
+        if held is None:
             return None
-        scaled[path] = dataclasses.replace(found, runs=runs)
-    top = frozenset(path[0] for path in scaled)
-    return Draws(scaled=scaled, top=top, index=compat.Var(compat.shaped_array((), _U32)))
+        laid[path] = dataclasses.replace(found, runs=held)
+    index = compat.Var(compat.shaped_array((), _U32)) if index is None else index
+    return Draws(scaled=laid, top=frozenset(path[0] for path in laid), index=index)
 
 
 Path = tuple[int, ...]
@@ -119,9 +145,9 @@ per-step draw and a per-example one of the same microbatch shape), so places tel
 where ``id`` cannot."""
 
 
-def _rng_eqns(jaxpr: Any) -> list[tuple[Path, Any, bool]]:
+def rng_eqns(eqns: Sequence[Any]) -> list[tuple[Path, Any, bool]]:
     """``(place, equation, whether it can be traced again with the index)`` of every
-    ``random_bits``, ``random_split`` and ``random_gamma`` in ``jaxpr``, nested ones too, in
+    ``random_bits``, ``random_split`` and ``random_gamma`` in ``eqns``, nested ones too, in
     order."""
     found: list[tuple[Path, Any, bool]] = []
 
@@ -133,7 +159,7 @@ def _rng_eqns(jaxpr: Any) -> list[tuple[Path, Any, bool]]:
             for k, e in enumerate(body.eqns):
                 visit((*path, b, k), e, inner)
 
-    for i, eqn in enumerate(jaxpr.eqns):
+    for i, eqn in enumerate(eqns):
         visit((i,), eqn, True)
     return found
 

@@ -106,6 +106,7 @@ def build_program(
     whole: TracedStep | None = None,
     stats: batch_statistics.Statistics = batch_statistics.NONE,
     draws: microbatch_draws.Draws | None = None,
+    early: microbatch_draws.Draws | None = None,
 ) -> Program:
     """Partitions a traced step according to ``plan``.
 
@@ -116,11 +117,12 @@ def build_program(
     region inputs from which the loss draws random values per example: such a PRNG key is
     folded with each microbatch's index, unless ``draws``
     (:func:`autopar._src.microbatch_draws.find`) makes every such draw as ``jax.jit`` makes it
-    for the whole batch. ``whole`` is the step traced at the whole batch, for the code outside
-    the region that needs the whole batch (:mod:`~autopar._src.whole_batch`); without it, with
-    several microbatches, that code is left out (a program whose pipeline tasks alone are
-    timed). ``stats`` are the loss function's statistics of the batch
-    (:func:`autopar._src.batch_statistics.find`, from
+    for the whole batch; ``early`` (:func:`autopar._src.early_draws.find`) makes so the draws
+    before the loss function, with the batch, per microbatch. ``whole`` is the step traced at
+    the whole batch, for the code outside the region that needs the whole batch
+    (:mod:`~autopar._src.whole_batch`); without it, with several microbatches, that code is left
+    out (a program whose pipeline tasks alone are timed). ``stats`` are the loss function's
+    statistics of the batch (:func:`autopar._src.batch_statistics.find`, from
     :func:`~autopar._src.microbatch_checks.per_example_outputs`): made once per step from the whole batch,
     every microbatch reads its share of them in place of its own.
 
@@ -131,6 +133,8 @@ def build_program(
     jaxpr = step.jaxpr
     eqns = jaxpr.eqns
     nmb = plan.num_microbatches
+    if early is not None and nmb > 1:  # draws before the loss function read the microbatch's index
+        eqns = [microbatch_draws.with_index(e, i, early) if i in early.top else e for i, e in enumerate(eqns)]
     region_at = step.region_index()
 
     # Which vars hold one value per microbatch: the batch and what derives from it before the
@@ -138,7 +142,7 @@ def build_program(
     # what the step makes from the batch after the region, or returns from before it, runs
     # once per step at the whole batch instead.
     batch_vars = {step.arg_vars[i] for i in batch_leaf_ids}
-    per_mb: set[Any] = set(batch_vars)
+    per_mb: set[Any] = set(batch_vars) | ({early.index} if early is not None and nmb > 1 else set())
     for i, eqn in enumerate(eqns):
         if i != region_at and any(a in per_mb for a in _eqn_invars(eqn)):
             if region_at is not None and i > region_at and nmb > 1:
@@ -258,6 +262,8 @@ def build_program(
         for a in reads(i):
             consumer_stages.setdefault(a, set()).add(st)
 
+    if early is not None and nmb > 1:
+        index_stages.update(stage_of[i] for i in early.top)
     # Per-microbatch equations before the region run inside the forward tasks, but for those
     # that only make values for the code at the whole batch.
     in_forward = {
@@ -336,8 +342,9 @@ def build_program(
         made = made_by.get(key)
         lv = 0 if made is None else made[0] + (made[1] != st)
         pre_groups.setdefault((lv, st), []).append(microbatch_keys.fold_op(key, f, nmb))
-    if draws is not None and index_stages:
-        pre_groups.setdefault((0, min(index_stages)), []).append(microbatch_draws.index_op(draws, nmb))
+    indexed = draws if draws is not None else early
+    if indexed is not None and index_stages:
+        pre_groups.setdefault((0, min(index_stages)), []).append(microbatch_draws.index_op(indexed, nmb))
 
     def once_tasks(phase: str, groups: dict[tuple[int, int], list[Op]]) -> list[Task]:
         return [
