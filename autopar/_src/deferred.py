@@ -149,14 +149,18 @@ def _adding_others(tasks: Sequence[Task], stage: int, chains: Sequence[Chain]) -
     gradient: a sum of partial sums and of a value made whole): stacked, every device's partial
     sum would hold that value, and the stacked dim's sum would count it once per device."""
     ends = {(c.total, c.links[-1] if c.links else c.root) for c in chains}
+
+    def other(total: Any, k: Any) -> bool:
+        if compat.is_literal(k):  # a zero adds nothing to any partial sum
+            return not bool(np.all(np.asarray(compat.literal_value(k)) == 0))
+        return (total, k[0] if isinstance(k, tuple) else k) not in ends
+
     return {
         op.out[0]
         for task in tasks
         if task.stage == stage
         for op in task.ops
-        if op.kind == "acc" and op.mode == "add"
-        for k in op.ins[1:]
-        if (op.out[0], k[0] if isinstance(k, tuple) else k) not in ends
+        if op.kind == "acc" and op.mode == "add" and any(other(op.out[0], k) for k in op.ins[1:])
     }
 
 
