@@ -170,6 +170,13 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
     )
 
 
+def _hardest_negative(losses):
+    """A triplet loss's hardest negative: every other example's distance but one's own."""
+    gaps = (losses[:, None] - losses[None, :]) ** 2
+    hardest = jnp.min(gaps + 1e3 * jnp.eye(losses.shape[0]), axis=1)
+    return jnp.mean(jax.nn.relu(jnp.diagonal(gaps) - hardest + 1.0))
+
+
 @pytest.mark.parametrize(
     "loss_of,aux_of,message",
     [
@@ -274,6 +281,11 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
             None,
             r"The loss \(float32\[\]\) pairs the examples with each other: at .*test_region_outputs.* sub",
         ),
+        (
+            lambda losses, y: _hardest_negative(losses),
+            None,
+            r"pairs the examples with each other and reads the pairs' positions \(at .*test_region_outputs",
+        ),
         (lambda losses, y: jnp.sqrt(losses.sum()), None, r"proportional to the batch size to the power 0.5"),
         # Each example's term scaled by a norm over the batch of what the model computes (an
         # adaptive solver's step size): a figure no microbatch makes as the whole batch does.
@@ -306,6 +318,7 @@ def test_losses_that_are_means_over_the_examples_equal_jit(loss_of):
         "aux-pairs-in-jit",
         "loss-pairs-in-checkpoint",
         "loss-pairs-in-custom-vjp",
+        "loss-hardest-negative",
         "loss-sqrt-of-sum",
         "terms-scaled-by-a-norm",
     ],

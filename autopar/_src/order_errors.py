@@ -68,6 +68,17 @@ def positions(e: Any, at: str) -> ValueError:
     )
 
 
+def pairs(e: Any, at: str, nmb: int) -> ValueError:
+    """``e`` reads the positions of pairs of examples (a mask of the diagonal)."""
+    return ValueError(
+        f"The loss function pairs the examples with each other and reads the pairs' positions (at "
+        f"{at}: {_first(e)}), as a triplet loss's hardest negative or a contrastive loss's in-batch "
+        f"negatives do: with num_microbatches={nmb} each microbatch would pair only its own "
+        "examples, so neither the loss nor its gradients would be the whole batch's. Use "
+        "num_microbatches=1."
+    )
+
+
 def reversed_rows(e: Any, at: str, flip: Any, flipped_at: str, nmb: int) -> ValueError:
     """``e`` reads rows reversed along the batch by ``flip`` other than to sort them."""
     return ValueError(

@@ -360,6 +360,9 @@ class Orders:
         """The error for ``e``, which reads the rows' positions in their microbatch."""
         if self.placed is not None:
             return order_errors.placed_by_position(e, self.line(e), self.placed, self.line(self.placed))
+        values = [a for a in (*e.invars, *e.outvars) if not compat.is_literal(a)]
+        if any(len(self.dims.get(a, ())) > 1 for a in values):  # ``jnp.eye`` against pairs
+            return order_errors.pairs(e, self.line(e), self.nmb)
         return order_errors.positions(e, self.line(e))
 
 
