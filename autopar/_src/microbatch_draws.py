@@ -302,8 +302,9 @@ def _counters(shape: tuple[int, ...], scaled: Scaled, index: Any) -> tuple[Any, 
         at = jax.lax.broadcasted_iota(_U32, shape, k)
         if k == dim:  # row ``r`` of run ``q`` of the microbatch's, in the whole batch's run ``q``
             rows = n // scaled.runs
-            run = (at // _U32(rows)) * _U32(whole[k] // scaled.runs - rows) if scaled.runs > 1 else 0
-            at = at + run + jnp.asarray(index, _U32) * _U32(rows)
+            if scaled.runs > 1:
+                at = at + (at // _U32(rows)) * _U32(whole[k] // scaled.runs - rows)
+            at = at + jnp.asarray(index, _U32) * _U32(rows)
         if small:  # every index fits one word
             lo = lo + at * _U32(strides[k])
         else:
