@@ -549,6 +549,72 @@ def test_per_example_aux_outputs_read_after_the_gradient_are_read_whole():
     assert out[2].dtype == jnp.int32 and out[4].shape == (BATCH,)
 
 
+def _value_mlp(ws, x):
+    for w in ws[:-1]:
+        x = jnp.tanh(x @ w)
+    return (x @ ws[-1])[:, 0]
+
+
+def _advantages_step(state, batch):
+    """PPO's advantages: the model's values before the gradient, standardised by the batch's
+    mean and std, read by the loss and returned after the gradient."""
+    old = _value_mlp(state["w"], batch["x"])
+    adv = batch["r"] - old
+    target = adv + old
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+
+    def loss_fn(ws):
+        v = _value_mlp(ws, batch["x"])
+        return (v * adv).mean() + ((v - target) ** 2).mean()
+
+    loss, grads = autopar.value_and_grad(loss_fn)(state["w"])
+    return {"w": [w - 0.1 * g for w, g in zip(state["w"], grads, strict=True)]}, (loss, adv.mean())
+
+
+def _views_step(state, batch):
+    """DINO's teacher: two views' outputs made before the gradient, each read by the loss with
+    the other view's student, one of them averaged again after the gradient (the centre)."""
+    x, x2 = batch["x"], 2 * batch["x"]
+    t1, t2 = jnp.tanh(x @ state["t"][0]) @ state["t"][1], jnp.tanh(x2 @ state["t"][0]) @ state["t"][1]
+
+    def loss_fn(ws):
+        def student(v):
+            return jnp.tanh(jnp.tanh(v @ ws[0]) @ ws[1]) @ ws[2]
+
+        return ((student(x) - t2) ** 2).mean() + ((student(x2) - t1) ** 2).mean()
+
+    loss, grads = autopar.value_and_grad(loss_fn)(state["w"])
+    new = [w - 0.1 * g for w, g in zip(state["w"], grads, strict=True)]
+    centre = 0.9 * state["centre"] + 0.1 * t2.mean(0)
+    return {"w": new, "t": state["t"], "centre": centre}, loss
+
+
+@pytest.mark.parametrize("step", [_advantages_step, _views_step], ids=["advantages", "views"])
+def test_values_made_before_the_gradient_for_the_loss_and_again_for_code_after_it_equal_jit(step):
+    """Made per microbatch in the forward tasks for the loss and again at the whole batch for the
+    code after the gradient: the forward equations go to the stage of the loss's first reader,
+    also those the whole batch's code reads (before, they went to the first stage and read
+    values made on the second: a missing input)."""
+    keys = jax.random.split(jax.random.key(0), 6)
+    state = {"w": [jax.random.normal(keys[i], (8, 8)) * 0.3 for i in range(3)]}
+    if step is _advantages_step:
+        state["w"].append(jax.random.normal(keys[3], (8, 1)))
+    else:
+        state |= {
+            "t": [jax.random.normal(keys[4 + i], (8, 8)) * 0.3 for i in range(2)],
+            "centre": jnp.zeros(8),
+        }
+    rng = np.random.default_rng(0)
+    batches = [
+        {
+            "x": rng.normal(size=(BATCH, 8)).astype(np.float32),
+            "r": rng.normal(size=(BATCH,)).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+
+
 def test_a_sum_of_values_made_in_several_tasks_is_split_per_task():
     """``(a + a) + b + c`` with ``a`` and ``c`` made in one task and ``b`` in another: one running
     sum per task, adding each value as often as the sum does; the additions run once per step.

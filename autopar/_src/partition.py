@@ -234,9 +234,20 @@ def build_program(
     # Stages of the equations outside the region.
     outer = [i for i in range(len(eqns)) if i != region_at]
 
+    # Per-microbatch equations before the region run inside the forward tasks, but for those
+    # that only make values for the code at the whole batch.
+    in_forward = {
+        i
+        for i in outer
+        if region_at is not None and i < region_at and any(v in per_mb for v in _eqn_outvars(eqns[i]))
+    }
+    if at_whole.again:
+        in_forward -= set(at_whole.again) - whole_batch.feeding(step, in_forward)
+
     def reads(i: int) -> list[Any]:
-        """What equation ``i`` reads where it runs: at the whole batch, not the microbatches."""
-        return [a for a in _eqn_invars(eqns[i]) if i not in at_whole or a not in per_mb]
+        """What equation ``i`` reads where it runs: at the whole batch, not the microbatches, but
+        for one made again there that also runs per microbatch."""
+        return [a for a in _eqn_invars(eqns[i]) if i not in at_whole or i in in_forward or a not in per_mb]
 
     stage_of: dict[int, int] = {}
     for i in outer:
@@ -264,15 +275,6 @@ def build_program(
 
     if early is not None and nmb > 1:
         index_stages.update(stage_of[i] for i in early.top)
-    # Per-microbatch equations before the region run inside the forward tasks, but for those
-    # that only make values for the code at the whole batch.
-    in_forward = {
-        i
-        for i in outer
-        if region_at is not None and i < region_at and any(v in per_mb for v in _eqn_outvars(eqns[i]))
-    }
-    if at_whole.again:
-        in_forward -= set(at_whole.again) - whole_batch.feeding(step, in_forward)
     once = [i for i in outer if i not in in_forward and i not in at_whole.again]
     # made_by[var] = (level, stage) of the once-per-step op that makes it. Region
     # outputs are finished (averaged) at level 0 of the post phase on their stage.
