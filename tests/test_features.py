@@ -266,6 +266,32 @@ def test_autopar_grad_under_vmap_or_scan_runs_as_a_plain_gradient():
         autopar.autoparallel(accumulated, num_stages=2, num_microbatches=2)(state, batches[0])
 
 
+@pytest.mark.parametrize("sharding", ["auto", "data"])
+def test_per_example_gradients_of_a_convolution_equal_jit(sharding):
+    """vmap of a convolution's gradient makes a grouped convolution (the examples as feature
+    groups) whose input comes split along the batch: its operands are pinned to the layout
+    the ILP priced. Left to XLA, the partitioner reshards it into a program its own verifier
+    rejects ("Expected instruction to have shape equal to f32[3,3,1,4]")."""
+
+    def example_loss(w, x):
+        y = jax.lax.conv_general_dilated(
+            x[None], w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return jnp.mean(jnp.tanh(y) ** 2)
+
+    def step(w, batch):
+        grads = jax.vmap(autopar.grad(example_loss), in_axes=(None, 0))(w, batch["x"])
+        scale = jnp.minimum(1.0, 1.0 / (jnp.sqrt(jnp.sum(grads**2, axis=(1, 2, 3, 4))) + 1e-6))
+        return w - 0.1 * jnp.tensordot(scale, grads, 1) / scale.shape[0], scale.mean()
+
+    w = jax.random.normal(jax.random.key(0), (3, 3, 1, 4)) * 0.3
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.normal(size=(8, 8, 8, 1)).astype(np.float32)} for _ in range(2)]
+    assert_same_as_jit(
+        step, w, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, sharding=sharding
+    )
+
+
 def test_plain_jax_grad_runs_with_one_microbatch_and_errors_with_more():
     config = train.tiny_config("mlp")
     state = train.linen_state("mlp", config, optax.sgd(0.1))

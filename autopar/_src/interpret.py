@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from autopar._src import compat, deferred, microbatch_keys
 from autopar._src.expansion import expandable_branches
@@ -46,6 +46,29 @@ class Inside:
     pins: dict[Inner, NamedSharding] = dataclasses.field(default_factory=dict)
     sums: deferred.Deferred = deferred.NONE
     mesh: Mesh | None = None
+
+
+def grouped_conv_operands(eqn: Any, vals: list[Any], out: NamedSharding | None) -> list[Any]:
+    """``vals``, but for a grouped convolution (``feature_group_count`` or ``batch_group_count``
+    above 1, as ``vmap`` of a convolution's gradient makes) with its output pinned to ``out``:
+    its operands pinned to the layout the ILP priced for it (the input's batch dim as the
+    output's, the rest whole; :func:`~autopar._src.strategies.eqn_strategies`). XLA's partitioner,
+    left to reshard an input split along its feature groups by itself, makes a program its own
+    verifier rejects."""
+    p = eqn.params
+    if out is None or eqn.primitive.name != "conv_general_dilated":
+        return vals
+    if p.get("feature_group_count", 1) == 1 and p.get("batch_group_count", 1) == 1:
+        return vals
+    dn, spec = p["dimension_numbers"], tuple(out.spec) + (None,) * len(eqn.outvars[0].aval.shape)
+    lhs = [None] * len(eqn.invars[0].aval.shape)
+    if p.get("batch_group_count", 1) == 1:
+        lhs[dn.lhs_spec[0]] = spec[dn.out_spec[0]]
+    layouts = [PartitionSpec(*lhs), PartitionSpec()]
+    return [
+        jax.lax.with_sharding_constraint(x, NamedSharding(out.mesh, layout))
+        for x, layout in zip(vals, layouts, strict=True)
+    ]
 
 
 def bind_pinned(eqn: Any, vals: list[Any], inside: Inside, path: tuple[int, ...] = ()) -> list[Any]:
@@ -84,6 +107,7 @@ def _run_pinned(body: Any, inside: Inside, here: tuple[int, ...], *xs: Any) -> l
         if stacked is not None and name is not None and deferred.made_stacked(e):
             outs = [deferred.bind(e, vals, stacked, stacked.base(inside.pins[name].spec), inside.mesh)]
         else:
+            vals = grouped_conv_operands(e, vals, inside.pins.get(Inner(here, e.outvars[0])))
             outs = bind_pinned(e, vals, inside, here)
         for v, x in zip(e.outvars, outs, strict=True):
             if not compat.is_dropvar(v):
@@ -121,6 +145,9 @@ def task_fn(
                 stacked = sums.values[var]
                 outs = [deferred.bind(op.eqn, vals, stacked, stacked.base(pins[op.out].spec), mesh)]
             else:
+                vals = grouped_conv_operands(
+                    op.eqn, vals, pins.get(op.outs[0]) if op.outs and op.outs[0] else None
+                )
                 outs = bind_pinned(op.eqn, vals, inside)
             for k, x in zip(op.outs, outs, strict=True):
                 if k is not None:
