@@ -422,6 +422,8 @@ def test_values_made_from_a_share_are_monomials_in_its_scale_or_refused():
 def test_a_figure_of_the_inputs_returned_as_aux_is_the_whole_batchs():
     # The inputs' maximum and the padding's share: made once from the whole batch and read whole
     # by every microbatch, so their average is the batch's (each microbatch's own would differ).
+    # The token count, of which each microbatch reads its share: returned as made once per step
+    # (before, refused as a sum over the examples).
     _, state, batches = _setup(LOSSES["masked mean"])
 
     def step(state, batch):
@@ -429,7 +431,11 @@ def test_a_figure_of_the_inputs_returned_as_aux_is_the_whole_batchs():
             mask = batch["y"] != -100
             logits = state.apply_fn({"params": params}, batch["x"])
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, batch["y"], 0))
-            figures = {"largest input": jnp.max(jnp.abs(batch["x"])), "padding": jnp.mean(~mask)}
+            figures = {
+                "largest input": jnp.max(jnp.abs(batch["x"])),
+                "padding": jnp.mean(~mask),
+                "tokens": jnp.sum(mask.astype(jnp.float32)),
+            }
             return jnp.sum(ce * mask) / jnp.sum(mask), figures
 
         (loss, figures), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -439,6 +445,7 @@ def test_a_figure_of_the_inputs_returned_as_aux_is_the_whole_batchs():
     for batch in batches:
         got, want = par(state, batch)[1][1], jax.jit(step)(state, batch)[1][1]
         for name in want:
+            assert got[name].dtype == want[name].dtype
             np.testing.assert_allclose(np.asarray(got[name]), np.asarray(want[name]), **TOLERANCES["sgd"])
     first = {k: a[: BATCH // MICROBATCHES] for k, a in batches[0].items()}
     assert float(jax.jit(step)(state, first)[1][1]["largest input"]) < float(

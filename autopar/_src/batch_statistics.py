@@ -66,6 +66,9 @@ class Statistics:
     shares: Mapping[Any, float] = dataclasses.field(default_factory=dict)
     """The statistics each microbatch reads a share of (of degree other than 0: a count), and
     their degrees (:mod:`~autopar._src.share_scaling`)."""
+    wholes: Mapping[Any, Key] = dataclasses.field(default_factory=dict)
+    """Each statistic -> the once-per-step key of the whole batch's value (a share's before
+    the division): what the loss function returns when it returns the statistic itself."""
 
 
 NONE = Statistics({}, ())
@@ -360,6 +363,7 @@ def _made_once(
         ops.append(Op(kind="eqn", eqn=t, ins=ins, outs=outs))
     values: dict[Any, Key] = {}
     shares = {}
+    wholes = {v: (name(twin[v]), None) for v in degrees}
     for v, degree in degrees.items():
         if degree == 0.0:
             values[v] = (name(twin[v]), None)
@@ -371,4 +375,4 @@ def _made_once(
             Op(kind="acc", mode="mean", ins=((name(twin[v]), None),), outs=((share, None),), divisor=scale)
         )
         values[v] = (share, None)
-    return Statistics(values, tuple(ops), shares)
+    return Statistics(values, tuple(ops), shares, wholes)

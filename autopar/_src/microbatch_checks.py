@@ -96,8 +96,7 @@ def per_example_outputs(
     averaged = [i for i in range(1 + num_aux) if i not in dims]
     share_scaling.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures, drawn)
-    whole_figures = {v for v in stats.values if v not in stats.shares}
-    region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches, whole_figures)
+    region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches, set(stats.values))
     return dims, stats
 
 

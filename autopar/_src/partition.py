@@ -170,6 +170,7 @@ def build_program(
     producer_stage: dict[Any, int] = {}
     consumer_stages: dict[Any, set[int]] = {}
     rkey = None
+    whole_stats: dict[Any, Key] = {}  # region outputs -> the statistic's whole value they return
     folded: dict[Any, microbatch_keys.Folded] = {}
     index_stages: set[int] = set()  # the stages whose region equations read the microbatch's index
     if region_at is not None:
@@ -205,16 +206,25 @@ def build_program(
                 if a in rmap and _is_var(rmap[a]):
                     consumer_stages.setdefault(rmap[a], set()).add(where[0])
         last_fwd = (plan.num_stages - 1, "F")
+        # Aux outputs that are a statistic a microbatch reads a share of (a token count): the
+        # whole batch's value, made once per step.
+        for i, (rv, ov) in enumerate(zip(rj.outvars, region.outvars, strict=True)):
+            origin = region_outputs.before_boundaries(rj, rv)
+            if 0 < i <= info.num_aux and nmb > 1 and _is_var(origin) and origin in stats.shares:
+                whole_stats[ov] = stats.wholes[origin]
         pairs = [
             (rv, ov)
             for rv, ov in zip(rj.outvars, region.outvars, strict=True)
-            if not compat.is_dropvar(ov) and ov not in joined
+            if not compat.is_dropvar(ov) and ov not in joined and ov not in whole_stats
         ]
         splits = region_outputs.split_sums(rj, pairs, made_in) if nmb > 1 else {}
         hoisted = {id(e) for split in splits.values() for e in split.adds}
         stage_ops = {where: [e for e in ops if id(e) not in hoisted] for where, ops in stage_ops.items()}
         for i, (rv, ov) in enumerate(zip(rj.outvars, region.outvars, strict=True)):
             if compat.is_dropvar(ov):
+                continue
+            if ov in whole_stats:
+                producer_stage[ov] = plan.num_stages - 1
                 continue
             where = made_in.get(rv, last_fwd) if _is_var(rv) else last_fwd
             if i > info.num_aux:
@@ -325,6 +335,10 @@ def build_program(
             post_groups.setdefault((0, where[0]), []).extend(finish)
     for ov, split in splits.items():
         post_groups.setdefault(made_by[ov], []).append(split.combine())
+    for ov, key in whole_stats.items():
+        post_groups.setdefault(made_by[ov], []).append(
+            Op(kind="acc", mode="copy", ins=(key,), outs=((ov, None),))
+        )
     for i in once:
         groups = pre_groups if region_at is None or i < region_at else post_groups
         op = at_whole.ops.get(i) if i in at_whole else outer_op(i, None)

@@ -195,8 +195,9 @@ def require_combinable(
     an integer, boolean or key one (the first microbatch's) reads nothing of the examples, and
     none reads the batch's shape (an examples-seen counter in a module's state). ``whole`` is
     the step traced at the whole batch, compared equation by equation (layer boundaries aside).
-    ``whole_figures``: statistics every microbatch reads whole (:mod:`~autopar._src.batch_statistics`,
-    of degree 0: the inputs' maximum), whose average is the whole batch's value: not checked.
+    ``whole_figures``: statistics of the batch (:mod:`~autopar._src.batch_statistics`): an aux
+    output that is one of them is the whole batch's (the inputs' maximum, which every microbatch
+    reads whole, or a token count, returned as made once per step): not checked.
 
     Raises:
       ValueError: naming the aux output and the source line.
@@ -214,7 +215,7 @@ def require_combinable(
     whole_rj = whole.jaxpr.eqns[whole.region_index()].params["info"].jaxpr
     theirs = [e for e in whole_rj.eqns if not layers.is_boundary(e)]
     for i in range(1, 1 + num_aux):  # a constant made from the batch's shape (its size)
-        a, b = _before_boundaries(rj, rj.outvars[i]), _before_boundaries(whole_rj, whole_rj.outvars[i])
+        a, b = before_boundaries(rj, rj.outvars[i]), before_boundaries(whole_rj, whole_rj.outvars[i])
         if compat.is_literal(a) and compat.is_literal(b) and str(a) != str(b):
             raise ValueError(
                 f"Aux output {i - 1} of the loss function is the constant {_value(a)} for one of "
@@ -248,7 +249,7 @@ def require_combinable(
     combined: dict[Any, int] = {}  # aux outputs reduced over the batch: their index
     for i in range(1, 1 + num_aux):
         rv = rj.outvars[i]
-        origin = _before_boundaries(rj, rv)  # a constant (a literal) comes through boundaries too
+        origin = before_boundaries(rj, rv)  # a constant (a literal) comes through boundaries too
         if i in per_example or compat.is_literal(origin) or origin in whole_figures:
             continue
         if not batch_scaling.is_float(rv) and rv in tainted:
@@ -423,7 +424,7 @@ def _value(literal: Any) -> Any:
     return np.asarray(compat.literal_value(literal)).tolist()
 
 
-def _before_boundaries(jaxpr: Any, atom: Any) -> Any:
+def before_boundaries(jaxpr: Any, atom: Any) -> Any:
     """What ``atom`` of ``jaxpr`` is before the layer boundaries (identities) it went through."""
     made = {v: (e, k) for e in jaxpr.eqns if layers.is_boundary(e) for k, v in enumerate(e.outvars)}
     while not compat.is_literal(atom) and atom in made:
