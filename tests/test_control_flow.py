@@ -259,3 +259,33 @@ def test_while_body_expands_into_its_equations_with_carries_tied():
     ops = expand_calls(GraphOp(eqn, ("w", "a", "i"), ("out", "n")), alias, ties)
     assert [op.eqn for op in ops] == list(body.eqns)
     assert {t.into for t in ties} == {"a", "i"} and alias["out"] == ops[1].outs[0]
+
+
+def test_a_layer_stack_whose_body_calls_back_to_python_equals_jit():
+    """An equation without outputs (``jax.debug.callback``) inside a scan body, whose values
+    run pinned: bound as it is."""
+    seen = []
+
+    def step(ws, batch):
+        def loss_fn(ws):
+            def body(x, w):
+                jax.debug.callback(lambda a: seen.append(float(a)), x[0, 0])
+                return jnp.tanh(x @ w), None
+
+            x, _ = jax.lax.scan(body, batch["x"], ws["stack"])
+            return jnp.mean((x @ ws["head"] - batch["y"]) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(ws)
+        return jax.tree.map(lambda w, g: w - 0.1 * g, ws, grads), loss
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    ws = {"stack": jax.random.normal(keys[0], (3, 8, 8)) * 0.3, "head": jax.random.normal(keys[1], (8, 1))}
+    rng = np.random.default_rng(0)
+    batches = [
+        {"x": rng.normal(size=(16, 8)).astype(np.float32), "y": rng.normal(size=(16, 1)).astype(np.float32)}
+        for _ in range(2)
+    ]
+    assert_same_as_jit(
+        step, ws, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(2, 4)
+    )
+    assert seen  # the callback ran

@@ -107,7 +107,9 @@ def _run_pinned(body: Any, inside: Inside, here: tuple[int, ...], *xs: Any) -> l
         if stacked is not None and name is not None and deferred.made_stacked(e):
             outs = [deferred.bind(e, vals, stacked, stacked.base(inside.pins[name].spec), inside.mesh)]
         else:
-            vals = grouped_conv_operands(e, vals, inside.pins.get(Inner(here, e.outvars[0])))
+            vals = grouped_conv_operands(
+                e, vals, inside.pins.get(Inner(here, e.outvars[0])) if e.outvars else None
+            )
             outs = bind_pinned(e, vals, inside, here)
         for v, x in zip(e.outvars, outs, strict=True):
             if not compat.is_dropvar(v):
