@@ -192,6 +192,12 @@ def _hardest_negative(losses):
             lambda logits, y: {"max": logits.max()},
             r"Aux output 0 .* reduced over the examples by reduce_max",
         ),
+        # A per-tensor scale over the whole batch meets the examples' values (quantization).
+        (
+            lambda losses, y: jnp.mean(jnp.round(losses / jnp.max(jnp.abs(losses))) + losses),
+            None,
+            r"The loss .* scaled by a reduce_max over the whole batch .*per-row or per-token scale",
+        ),
         (
             None,
             lambda logits, y: {"first": logits[0, 0]},
@@ -217,7 +223,7 @@ def _hardest_negative(losses):
         ),
         (
             None,
-            lambda logits, y: {"per_class": jax.ops.segment_sum(jnp.ones(y.shape), y, num_segments=10)},
+            lambda logits, y: {"per_class": jax.ops.segment_sum(logits[:, 0], y, num_segments=10)},
             r"Aux output 0 .* is a sum over the examples \(at .*scatter-add",
         ),
         (
@@ -235,7 +241,9 @@ def _hardest_negative(losses):
         (
             None,
             lambda logits, y: {
-                "counts": jax.lax.fori_loop(0, y.shape[0], lambda i, c: c.at[y[i]].add(1.0), jnp.zeros(10))
+                "counts": jax.lax.fori_loop(
+                    0, y.shape[0], lambda i, c: c.at[y[i]].add(logits[i, 0]), jnp.zeros(10)
+                )
             },
             r"Aux output 0 .* is a sum over the examples \(at .*scatter-add",
         ),
@@ -301,6 +309,7 @@ def _hardest_negative(losses):
         "loss-dot",
         "aux-count",
         "aux-max",
+        "loss-per-tensor-scale",
         "aux-first-example",
         "custom-jvp",
         "chunks",
@@ -333,6 +342,23 @@ def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):
     with pytest.raises(ValueError, match=message):
         autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
     autopar.autoparallel(step, num_stages=2, num_microbatches=1)(state, batch)  # one: as jit
+
+
+def test_counts_of_the_labels_returned_as_aux_are_the_whole_batchs():
+    """Sums over the examples of the labels alone (class counts by segment_sum or by a loop over
+    the rows) are figures of the batch: each microbatch reads its share, and the aux output
+    comes back as the whole batch's figure, made once per step, as jax.jit returns it."""
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(
+        lambda logits, y: {
+            "per_class": jax.ops.segment_sum(jnp.ones(y.shape), y, num_segments=10),
+            "counts": jax.lax.fori_loop(0, y.shape[0], lambda i, c: c.at[y[i]].add(1.0), jnp.zeros(10)),
+        }
+    )
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+    out = _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+    assert float(out[1]["per_class"].sum()) == BATCH
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2)])

@@ -320,6 +320,14 @@ def _require_means(
         what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
         where = f"at {compat.source_line(scaling.origin)}: {str(scaling.origin).splitlines()[0]!r}"
         fix = "or use num_microbatches=1."
+        if scaling.extreme and _meets_examples(rj, twin, scaling.origin):
+            raise ValueError(
+                f"{what} ({rv.aval.str_short()}) is made from the examples' values scaled by a "
+                f"{scaling.origin.primitive.name} over the whole batch ({where}), such as a "
+                "per-tensor quantization scale: with "
+                f"num_microbatches={nmb} each microbatch would take it over its own examples. Take "
+                f"it per example (over the example's own dims: a per-row or per-token scale), {fix}"
+            )
         if scaling.extreme:
             raise ValueError(
                 f"{what} ({rv.aval.str_short()}) is reduced over the examples by "
@@ -354,6 +362,23 @@ def _require_means(
             f"return one value per example, {fix}"
         )
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
+
+
+def _meets_examples(rj: Any, twin: Mapping[int, Any], origin: Any) -> bool:
+    """Whether what ``origin`` (an equation of ``rj`` reducing over the batch) makes is read by
+    an equation of ``rj`` together with a value that holds the examples (its shape follows the
+    batch: it differs from its twin's)."""
+    made = set(origin.outvars)
+    for e in rj.eqns:
+        if not any(not compat.is_literal(a) and a in made for a in e.invars):
+            continue
+        other = twin.get(id(e))
+        if other is not None and any(
+            a.aval.shape != b.aval.shape for a, b in zip(e.invars, other.invars, strict=True)
+        ):
+            return True
+        made.update(v for v in e.outvars if not compat.is_dropvar(v) and not v.aval.shape)
+    return False
 
 
 def _scaled_terms(scaling: batch_scaling.Scaling, found: batch_scaling.Found) -> batch_scaling.Scaling | None:
