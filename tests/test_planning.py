@@ -445,3 +445,35 @@ def test_measured_layer_ranges_time_the_loss_functions_equations_alone(monkeypat
     np.testing.assert_allclose(
         [timed[(0, 1)], timed[(1, 2)], timed[(0, 2)]], [region[0], region[1], region.sum()]
     )
+
+
+def test_the_peak_flops_follow_the_floating_work_not_a_dropout_masks_random_bits():
+    """An ensemble drawing dropout inside its vmap spends most of its FLOPs on threefry's uint32
+    rounds: the stage search prices it at the device's float32 peak (before, it asked the
+    device for a uint32 peak it has none of)."""
+    assert profile.compute_dtype({"uint32": 1e9, "float32": 1.0}) == "float32"
+    assert profile.compute_dtype({"complex64": 5.0, "bfloat16": 1.0}) == "float32"
+    assert profile.compute_dtype({"bfloat16": 5.0, "float32": 1.0, "int32": 9.0}) == "bfloat16"
+    assert profile.compute_dtype({}) == "float32"
+
+    def loss_fn(p, x, y, key):
+        def member(w1, w2, k):
+            h = jnp.tanh(x @ w1)
+            return (h * jax.random.bernoulli(k, 0.9, h.shape) / 0.9) @ w2
+
+        out = jax.vmap(member)(p["w1"], p["w2"], jax.random.split(key, 3)).mean(0)
+        return jnp.mean((out - y) ** 2)
+
+    def step(state, batch):
+        key, drawn = jax.random.split(state["key"])
+        loss, grads = autopar.value_and_grad(loss_fn)(state["p"], batch["x"], batch["y"], drawn)
+        return {"p": jax.tree.map(lambda a, g: a - 0.1 * g, state["p"], grads), "key": key}, loss
+
+    rng = np.random.default_rng(0)
+    p = {"w1": rng.normal(size=(3, 8, 16)) * 0.3, "w2": rng.normal(size=(3, 16, 4)) * 0.3}
+    state = {"p": jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p), "key": jax.random.key(0)}
+    batches = [
+        {"x": rng.normal(size=(16, 8)).astype(np.float32), "y": rng.normal(size=(16, 4)).astype(np.float32)}
+        for _ in range(2)
+    ]
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages="auto", num_microbatches=1)

@@ -96,6 +96,21 @@ class LayerProfile:
         return out
 
 
+def compute_dtype(flops_by_dtype: Mapping[str, float]) -> str:
+    """The floating dtype most heavy FLOPs compute in (a complex one's parts), which selects the
+    device's peak FLOP/s; float32 where there are none. Integer work (a dropout mask's threefry
+    rounds) runs on the vector units at no matmul peak, so it selects nothing."""
+    floats: dict[str, float] = {}
+    for dtype, flops in flops_by_dtype.items():
+        kind = np.dtype(dtype)
+        if np.issubdtype(kind, np.complexfloating):
+            dtype = np.finfo(kind).dtype.name
+        elif not np.issubdtype(kind, np.floating) and dtype != "bfloat16":
+            continue
+        floats[dtype] = floats.get(dtype, 0.0) + flops
+    return max(floats, key=floats.__getitem__) if floats else "float32"
+
+
 def layer_profile(
     step: TracedStep, batch_leaf_ids: tuple[int, ...], *, doubled: TracedStep | None = None
 ) -> LayerProfile:
@@ -205,7 +220,7 @@ def layer_profile(
         boundary_bytes=boundary,
         num_ops=ops,
         state_per_param=ratio,
-        dtype=max(flops_by_dtype, key=flops_by_dtype.__getitem__) if flops_by_dtype else "float32",
+        dtype=compute_dtype(flops_by_dtype),
         backward_peak_bytes=backward_peak,
         backward_peak_replicated_bytes=backward_peak_rep,
         batch_bytes=batch_bytes,
