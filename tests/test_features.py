@@ -565,6 +565,36 @@ def test_a_python_loop_over_the_rows_before_the_gradient_equals_jit_with_microba
     assert_same_as_jit(looped, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
 
 
+def test_a_sort_along_each_example_before_the_gradient_equals_jit_with_microbatches():
+    """``jnp.argsort(..., axis=1)`` before the loss function sorts with an iota counting along
+    the sequence, in the batch's shape: each microbatch's rows of the whole batch's, a fill
+    (before, refused as reading the batch's shape)."""
+
+    def step(p, batch):
+        labelled = jnp.argsort(batch["labels"] == -100, axis=1, stable=True)[:, :3]  # labelled first
+
+        def loss_fn(p):
+            h = jnp.take_along_axis(jnp.tanh(batch["x"] @ p["w1"]), labelled[..., None], axis=1)
+            target = jnp.take_along_axis(batch["labels"], labelled, axis=1)
+            valid = (target != -100).astype(jnp.float32)
+            return jnp.sum(((h @ p["w2"])[..., 0] - target) ** 2 * valid) / jnp.sum(valid)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(p)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss
+
+    rng = np.random.default_rng(0)
+    p = {"w1": rng.normal(size=(4, 16)) * 0.3, "w2": rng.normal(size=(16, 1)) * 0.3}
+    p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p)
+    batches = [
+        {
+            "x": rng.normal(size=(16, 8, 4)).astype(np.float32),
+            "labels": np.where(rng.random((16, 8)) < 0.3, rng.integers(0, 5, (16, 8)), -100).astype(np.int32),
+        }
+        for _ in range(2)
+    ]
+    assert_same_as_jit(step, p, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
+
+
 def test_feature_slices_before_the_gradient_with_one_example_per_microbatch_equal_jit():
     """With one example per microbatch a slice of its features is one row wide along the batch:
     the whole microbatch, not a row taken by place."""

@@ -231,7 +231,7 @@ def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
     return found
 
 
-_FILLING = frozenset({"broadcast_in_dim", "tile"})
+_FILLING = frozenset({"broadcast_in_dim", "tile", "iota"})
 """Primitives besides the elementwise ones that may make a fill."""
 
 
@@ -239,7 +239,8 @@ def _fill_of_the_batch(eqn: Any, other: Any, nmb: int, fills: set[Any]) -> bool:
     """Whether ``eqn`` differs from ``other``, its twin at the whole batch, in dims per example
     alone, along which its value is the same everywhere: a broadcast or tile that makes them from
     nothing (a new dim, or one of size 1 stretched: ``jnp.broadcast_to(jnp.arange(T)[None],
-    ids.shape)``, ``jnp.tile(jnp.arange(T), (n, 1))``), or an elementwise equation of such
+    ids.shape)``, ``jnp.tile(jnp.arange(T), (n, 1))``), an iota counting along another dim (the
+    positions ``jnp.argsort(x, axis=1)`` sorts with), or an elementwise equation of such
     values (``fills``) and of values the same in both traces that do not vary along those dims
     (``jnp.ones(x.shape) + jnp.arange(T)``)."""
     grown = twin_traces.per_example_dims(eqn.outvars[0], other.outvars[0], nmb)
@@ -251,6 +252,11 @@ def _fill_of_the_batch(eqn: Any, other: Any, nmb: int, fills: set[Any]) -> bool:
         operand = getattr(eqn.invars[0].aval, "shape", ())
         taken = {d for k, d in enumerate(eqn.params["broadcast_dimensions"]) if operand[k] != 1}
         return not grown & taken and all(eqn.params["shape"][d] == other.params["shape"][d] for d in same)
+    if name == "iota":  # counting along a dim of its own (a sort's positions along the sequence)
+        mine, theirs = eqn.params, other.params
+        return mine["dimension"] not in grown and all(
+            mine["shape"][d] == theirs["shape"][d] for d in range(len(mine["shape"])) if d not in grown
+        )
     if name == "tile":
         operand = getattr(eqn.invars[0].aval, "shape", ())
         reps, theirs = eqn.params["reps"], other.params["reps"]
