@@ -328,6 +328,18 @@ def _copies_by_division(stacked):
     return on_logits
 
 
+def _token_copies_by_token(z):
+    """Tokens flattened from each example (two per row), each token's two copies side by side,
+    sorted by expert and numbered by ``jnp.repeat(jnp.arange(tokens), 2)[order]``, the same as
+    ``order // 2`` (before, refused: the numbers' layout was compared with the sorted rows' as it
+    is, not as the tokens' copies)."""
+    tokens = z.reshape(-1, 5)
+    copies = jnp.stack([jnp.argmax(tokens[:, :4], -1), jnp.argmin(tokens[:, :4], -1)], 1).reshape(-1)
+    order = jnp.argsort(copies)
+    token = jnp.repeat(jnp.arange(tokens.shape[0]), 2)[order]
+    return z + jnp.zeros_like(tokens).at[token].add(0.5 * jnp.tanh(tokens[token])).reshape(z.shape)
+
+
 def _tiled_back(z):
     runs = jnp.tanh(jnp.concatenate([z[:, :5], z[:, 5:]]))
     return z + runs.reshape(2, z.shape[0], 5).transpose(1, 0, 2).reshape(z.shape)
@@ -340,8 +352,8 @@ def _split_back(z):
 
 @pytest.mark.parametrize(
     "on_logits",
-    [_copies_by_division("side-by-side"), _tiled_back, _split_back],
-    ids=["copies-side-by-side", "runs-put-back", "runs-split-back"],
+    [_copies_by_division("side-by-side"), _token_copies_by_token, _tiled_back, _split_back],
+    ids=["copies-side-by-side", "token-copies-by-token", "runs-put-back", "runs-split-back"],
 )
 def test_rows_laid_out_as_copies_or_runs_and_put_back_equal_jit_with_microbatches(on_logits):
     state, batches = _setup()

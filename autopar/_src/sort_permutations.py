@@ -250,10 +250,19 @@ class Orders:
         if checked:
             self._require_rows(e, operand, along, perm)
         if self.of(operand) == ROWS:  # ``jnp.arange(n)[order]``: the permutation itself
-            numbers = self._layout(operand)  # ``jnp.repeat(jnp.arange(n), k)[order]``: rows' own
-            if numbers not in (row_layout.PLAIN, perm.layout) and checked:
+            # ``jnp.repeat(jnp.arange(n), k)[order]``: ``order // k`` where the sorted rows are
+            # ``k`` copies side by side (of tokens that are themselves copies of the examples).
+            numbers = self._layout(operand)
+            kind, k = numbers
+            layout = (
+                row_layout.PLAIN  # the same runs: each one's rows numbered
+                if numbers == perm.layout
+                else row_layout.divided(perm.layout, k)
+                if kind == "copies"
+                else row_layout.DIVIDED
+            )
+            if layout == row_layout.DIVIDED and checked:
                 raise self._misplaced(e, perm)
-            layout = perm.layout if numbers == row_layout.PLAIN else row_layout.PLAIN
             kept = dataclasses.replace(perm, rows=self.span.get(operand, perm.rows), layout=layout)
             self._set(e.outvars[0], perm.dst, kept if integer(e.outvars[0]) else None)
             return True
