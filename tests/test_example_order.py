@@ -340,6 +340,16 @@ def _token_copies_by_token(z):
     return z + jnp.zeros_like(tokens).at[token].add(0.5 * jnp.tanh(tokens[token])).reshape(z.shape)
 
 
+def _runs_by_plain_numbers(z):
+    """Two runs of the rows sorted together and put back by ``jnp.arange(2n)[order]``, the
+    permutation itself, laid out as the runs."""
+    runs = jnp.concatenate([z, 2 * z])
+    order = jnp.argsort(jnp.concatenate([jnp.argmax(z[:, :4], -1), jnp.argmin(z[:, :4], -1)]))
+    idx = jnp.arange(runs.shape[0])[order]
+    first, second = jnp.split(jnp.zeros_like(runs).at[idx].set(jnp.tanh(runs[idx])), 2)
+    return z + first + second
+
+
 def _tiled_back(z):
     runs = jnp.tanh(jnp.concatenate([z[:, :5], z[:, 5:]]))
     return z + runs.reshape(2, z.shape[0], 5).transpose(1, 0, 2).reshape(z.shape)
@@ -352,8 +362,20 @@ def _split_back(z):
 
 @pytest.mark.parametrize(
     "on_logits",
-    [_copies_by_division("side-by-side"), _token_copies_by_token, _tiled_back, _split_back],
-    ids=["copies-side-by-side", "token-copies-by-token", "runs-put-back", "runs-split-back"],
+    [
+        _copies_by_division("side-by-side"),
+        _token_copies_by_token,
+        _runs_by_plain_numbers,
+        _tiled_back,
+        _split_back,
+    ],
+    ids=[
+        "copies-side-by-side",
+        "token-copies-by-token",
+        "runs-by-plain-numbers",
+        "runs-put-back",
+        "runs-split-back",
+    ],
 )
 def test_rows_laid_out_as_copies_or_runs_and_put_back_equal_jit_with_microbatches(on_logits):
     state, batches = _setup()

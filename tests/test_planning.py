@@ -453,7 +453,9 @@ def test_the_peak_flops_follow_the_floating_work_not_a_dropout_masks_random_bits
     device for a uint32 peak it has none of)."""
     assert profile.compute_dtype({"uint32": 1e9, "float32": 1.0}) == "float32"
     assert profile.compute_dtype({"complex64": 5.0, "bfloat16": 1.0}) == "float32"
-    assert profile.compute_dtype({"bfloat16": 5.0, "float32": 1.0, "int32": 9.0}) == "bfloat16"
+    assert profile.compute_dtype({"bfloat16": 5.0, "float32": 1.0, "uint32": 9.0}) == "bfloat16"
+    assert profile.compute_dtype({"float8_e4m3fn": 10.0, "float32": 1.0}) == "float8_e4m3fn"
+    assert profile.compute_dtype({"int8": 10.0, "bfloat16": 1.0}) == "int8"  # a quantized matmul
     assert profile.compute_dtype({}) == "float32"
 
     def loss_fn(p, x, y, key):

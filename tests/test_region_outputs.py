@@ -194,7 +194,7 @@ def _hardest_negative(losses):
         ),
         # A per-tensor scale over the whole batch meets the examples' values (quantization).
         (
-            lambda losses, y: jnp.mean(jnp.round(losses / jnp.max(jnp.abs(losses))) + losses),
+            lambda losses, y: jnp.mean(jnp.round(losses / jnp.max(jnp.abs(losses), keepdims=True)) + losses),
             None,
             r"The loss .* scaled by a reduce_max over the whole batch .*per-row or per-token scale",
         ),

@@ -53,6 +53,10 @@ def eqn_flops(eqn: Any) -> float:
     return float(sum(eqn_flops_by_dtype(eqn).values()))
 
 
+RANDOM_BITS_DTYPE = "uint32"
+"""The dtype random bits are counted in (threefry's integer rounds)."""
+
+
 def eqn_flops_by_dtype(eqn: Any) -> dict[str, float]:
     """FLOPs of the heavy operations in one equation, by the dtype they compute in."""
     name = eqn.primitive.name
@@ -82,7 +86,7 @@ def eqn_flops_by_dtype(eqn: Any) -> dict[str, float]:
         transforms = _prod(eqn.outvars[0].aval.shape[: -len(lengths)])
         return {str(eqn.invars[0].aval.dtype): 5.0 * transforms * points * math.log2(max(points, 2))}
     if name in ("threefry2x32", "random_bits"):  # 20 rounds of add, rotate and xor on two words
-        return {"uint32": THREEFRY_OPS * _prod(eqn.outvars[0].aval.shape)}
+        return {RANDOM_BITS_DTYPE: THREEFRY_OPS * _prod(eqn.outvars[0].aval.shape)}
     total: dict[str, float] = {}
     repeat = float(eqn.params.get("length", 1)) if name == "scan" else 1.0
     for sub in jcore.jaxprs_in_params(eqn.params):

@@ -97,18 +97,18 @@ class LayerProfile:
 
 
 def compute_dtype(flops_by_dtype: Mapping[str, float]) -> str:
-    """The floating dtype most heavy FLOPs compute in (a complex one's parts), which selects the
-    device's peak FLOP/s; float32 where there are none. Integer work (a dropout mask's threefry
-    rounds) runs on the vector units at no matmul peak, so it selects nothing."""
-    floats: dict[str, float] = {}
+    """The dtype most heavy FLOPs compute in (a complex one's parts), which selects the device's
+    peak FLOP/s; float32 where there are none. Threefry's rounds of random bits (``uint32``, a
+    dropout mask's) run on the vector units at no matmul peak, so they select nothing."""
+    found: dict[str, float] = {}
     for dtype, flops in flops_by_dtype.items():
+        if dtype == cost.RANDOM_BITS_DTYPE:
+            continue
         kind = np.dtype(dtype)
         if np.issubdtype(kind, np.complexfloating):
             dtype = np.finfo(kind).dtype.name
-        elif not np.issubdtype(kind, np.floating) and dtype != "bfloat16":
-            continue
-        floats[dtype] = floats.get(dtype, 0.0) + flops
-    return max(floats, key=floats.__getitem__) if floats else "float32"
+        found[dtype] = found.get(dtype, 0.0) + flops
+    return max(found, key=found.__getitem__) if found else "float32"
 
 
 def layer_profile(

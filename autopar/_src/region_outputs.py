@@ -367,7 +367,7 @@ def _require_means(
 def _meets_examples(rj: Any, twin: Mapping[int, Any], origin: Any) -> bool:
     """Whether what ``origin`` (an equation of ``rj`` reducing over the batch) makes is read by
     an equation of ``rj`` together with a value that holds the examples (its shape follows the
-    batch: it differs from its twin's)."""
+    batch: it differs from its twin's) into a float value."""
     made = set(origin.outvars)
     for e in rj.eqns:
         if not any(not compat.is_literal(a) and a in made for a in e.invars):
@@ -376,8 +376,15 @@ def _meets_examples(rj: Any, twin: Mapping[int, Any], origin: Any) -> bool:
         if other is not None and any(
             a.aval.shape != b.aval.shape for a, b in zip(e.invars, other.invars, strict=True)
         ):
-            return True
-        made.update(v for v in e.outvars if not compat.is_dropvar(v) and not v.aval.shape)
+            if any(batch_scaling.is_float(v) for v in e.outvars):
+                return True
+            continue  # compared with them: where a maximum sits (its derivative's mask)
+        made.update(  # the figure carried on, before it meets them (``keepdims``, a scale)
+            v
+            for k, v in enumerate(e.outvars)
+            if not compat.is_dropvar(v)
+            and (not v.aval.shape or (other is not None and v.aval.shape == other.outvars[k].aval.shape))
+        )
     return False
 
 

@@ -255,7 +255,9 @@ class Orders:
             numbers = self._layout(operand)
             kind, k = numbers
             layout = (
-                row_layout.PLAIN  # the same runs: each one's rows numbered
+                perm.layout  # plain numbers: the permutation itself, laid out as it is
+                if numbers == row_layout.PLAIN
+                else row_layout.PLAIN  # the same runs: each one's rows numbered
                 if numbers == perm.layout
                 else row_layout.divided(perm.layout, k)
                 if kind == "copies"
