@@ -641,6 +641,35 @@ def test_values_made_before_the_gradient_for_the_loss_and_again_for_code_after_i
     _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["alone", "with-code-after-the-gradient"])
+def test_a_constant_the_loss_function_closes_over_equals_jit(after):
+    """A scalar made before the loss function (``jnp.ones(())``) reaches the region as a literal
+    operand: the profile and the order check take it as a constant (before, they hashed it)."""
+
+    def step(p, batch):
+        weight = jnp.ones(())
+
+        def loss_fn(p):
+            out = (jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"])[..., 0]
+            return jnp.mean((out - batch["r"]) ** 2 * weight)
+
+        loss, grads = autopar.value_and_grad(loss_fn)(p)
+        new = jax.tree.map(lambda a, g: a - 0.1 * g, p, grads)
+        return (jax.tree.map(lambda a: a + 1e-3 * batch["r"].mean(), new) if after else new), loss
+
+    rng = np.random.default_rng(0)
+    p = {"w1": rng.normal(size=(8, 16)) * 0.3, "w2": rng.normal(size=(16, 1)) * 0.3}
+    p = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), p)
+    batches = [
+        {
+            "x": rng.normal(size=(BATCH, 8)).astype(np.float32),
+            "r": rng.normal(size=(BATCH,)).astype(np.float32),
+        }
+        for _ in range(2)
+    ]
+    _assert_outputs_as_jit(step, p, batches, num_stages=2, num_microbatches=4)
+
+
 def test_a_sum_of_values_made_in_several_tasks_is_split_per_task():
     """``(a + a) + b + c`` with ``a`` and ``c`` made in one task and ``b`` in another: one running
     sum per task, adding each value as often as the sum does; the additions run once per step.

@@ -351,7 +351,7 @@ def walked(
     laid = {
         v: walk.layout[a]
         for v, a in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
-        if a in walk.layout
+        if not compat.is_literal(a) and a in walk.layout
     }
     walk = _Walk(nmb)
     _seed(walk, rj.invars, rw.invars)

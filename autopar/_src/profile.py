@@ -188,7 +188,12 @@ def layer_profile(
     batch_layer: dict[Any, int] = {}
     for eqn, (layer, _) in zip(rj.eqns, where, strict=True):
         for a in eqn.invars:
-            if not compat.is_literal(a) and a in outer and outer[a] in batch_vars:
+            if (
+                not compat.is_literal(a)
+                and a in outer
+                and not compat.is_literal(outer[a])
+                and outer[a] in batch_vars
+            ):
                 batch_layer.setdefault(a, layer)
     batch_bytes = np.zeros(num_layers)
     for v, layer in batch_layer.items():
