@@ -412,6 +412,24 @@ def test_donated_state_is_reused_and_survives_a_failing_call():
         )
 
 
+def test_a_donated_state_also_fetched_to_the_host_is_an_error_when_passed_again():
+    """A state fetched with jax.device_get (logged, checkpointed) and then donated may still read
+    as alive once its buffers are consumed; running on it again crashed the process. The call
+    deletes what it was donated, so passing it again is the deleted-array error."""
+    config = train.tiny_config("mlp")
+    step, state = train.setup("mlp", "linen", config, optax.sgd(0.1))
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=4, donate_argnums=0)
+    s1, _ = par(state, batches[0])
+    host = jax.device_get(s1)
+    s2, _ = par(s1, batches[1])
+    assert all(x.is_deleted() for x in jax.tree.leaves(s1) if isinstance(x, jax.Array))
+    with pytest.raises(ValueError, match=r"Argument \[0\]\.\S+ is a deleted array"):
+        par(s1, batches[1])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(s2))
+    assert jax.tree.structure(host) == jax.tree.structure(s1)
+
+
 def test_donated_state_the_step_returns_unchanged_stays_alive():
     # inject_hyperparams keeps its constant hyperparameters in the optimizer state and returns
     # them as they came: the caller's arrays, which must not be donated to a task's output.

@@ -123,7 +123,9 @@ class AutoParallel:
         leaves, in_tree = jax.tree.flatten(positional)
         exe = self._lookup(leaves, in_tree)
         with trace.outside_user_mesh():
-            return jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves)))
+            outs = exe(_live_leaves(exe, leaves))
+        _retire_donated(exe, leaves, outs)
+        return jax.tree.unflatten(exe.step.out_tree, outs)
 
     def _functional(
         self, positional: tuple[Any, ...]
@@ -312,6 +314,18 @@ def _live_leaves(exe: driver.Executable, leaves: list[Any]) -> list[Any]:
                 "donate_argnums donates it twice; pass a copy for one of them (e.g. jnp.copy)."
             )
     return leaves
+
+
+def _retire_donated(exe: driver.Executable, leaves: list[Any], outs: list[Any]) -> None:
+    """Deletes the donated arguments' arrays a call has not deleted itself, but for those it
+    returns, so that passing one again is the "deleted array" error, as donation promises. A
+    donated buffer the runtime has consumed may still read as alive (an array the caller also
+    fetched with ``jax.device_get``), and running on it crashes the process."""
+    returned = {id(x) for x in outs}
+    for i in exe.donated_leaf_ids:
+        x = leaves[i]
+        if isinstance(x, jax.Array) and id(x) not in returned and not x.is_deleted():
+            x.delete()
 
 
 _ARRAY_TYPES: set[type] = set()
