@@ -308,6 +308,20 @@ def test_plain_jax_grad_runs_with_one_microbatch_and_errors_with_more():
     with pytest.raises(ValueError, match="need the step to compute its gradient with autopar.value_and_grad"):
         autopar.autoparallel(step, num_microbatches=2)(state, batches[0])
 
+    # An evaluation step computes no gradient: the options name what the user gave.
+    def evaluate(state, batch):
+        return train._loss("mlp", lambda x: state.apply_fn({"params": state.params}, x), batch)
+
+    with pytest.raises(
+        ValueError, match=r"num_stages=auto need .*\(an evaluation step\) has nothing to pipeline"
+    ):
+        autopar.autoparallel(evaluate, num_stages="auto", num_microbatches=2)(state, batches[0])
+    np.testing.assert_allclose(
+        np.asarray(autopar.autoparallel(evaluate)(state, batches[0])),
+        np.asarray(jax.jit(evaluate)(state, batches[0])),
+        **TOLERANCES["sgd"],
+    )
+
 
 # -- structure ---------------------------------------------------------------------------------
 

@@ -110,7 +110,7 @@ def auto_plan(
     trace_rows = batch_size // (num_microbatches or 1) if batch_size else 0
     step = trace_at(fn, args, batch_ids, trace_rows, trace.TraceOptions(num_layers=None))
     if step.region_index() is None:
-        require_region(step, num_microbatches or 1, 1)
+        require_region(step, num_microbatches or 1, "auto")
         stage = StagePlan(
             layers=(0, 1),
             device_ids=tuple(device_ids),

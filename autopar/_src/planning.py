@@ -143,8 +143,11 @@ def describe_layouts(
     return dataclasses.replace(plan, stages=tuple(stages))
 
 
-def require_region(step: trace.TracedStep, num_microbatches: int, num_stages: int) -> None:
-    if step.region_index() is None and (num_microbatches > 1 or num_stages > 1):
+def require_region(step: trace.TracedStep, num_microbatches: int, num_stages: int | str) -> None:
+    """Raises unless ``step`` has a grad region to pipeline, where the options ask for
+    microbatches or several stages (``num_stages``: an int, or ``"auto"`` as the user gave it)."""
+    several = num_microbatches > 1 or (isinstance(num_stages, int) and num_stages > 1)
+    if step.region_index() is None and several:
         nested = _nested_region(step.jaxpr)
         if nested is not None:
             raise ValueError(
@@ -159,7 +162,9 @@ def require_region(step: trace.TracedStep, num_microbatches: int, num_stages: in
             f"num_microbatches={num_microbatches} and num_stages={num_stages} need the step to compute "
             "its gradient with autopar.value_and_grad or autopar.grad at the top level of the step (it "
             "has none there: e.g. it uses jax.grad, or autopar.grad under jax.vmap); switch to "
-            "autopar's on the whole batch, or use num_microbatches=1 and num_stages=1."
+            "autopar's on the whole batch, or use num_microbatches=1 and num_stages=1. A step that "
+            "computes no gradient (an evaluation step) has nothing to pipeline: wrap it with "
+            "num_microbatches=1 and num_stages=1 (the defaults), or run it with jax.jit."
         )
 
 
