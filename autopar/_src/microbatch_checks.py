@@ -20,6 +20,7 @@ from autopar._src import (
     compat,
     example_mixing,
     example_order,
+    output_checks,
     region_outputs,
     share_scaling,
     trace,
@@ -96,7 +97,7 @@ def per_example_outputs(
     averaged = [i for i in range(1 + num_aux) if i not in dims]
     share_scaling.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures, drawn)
-    region_outputs.require_combinable(step, whole, batch_ids, dims, num_microbatches, set(stats.values))
+    output_checks.require_combinable(step, whole, batch_ids, dims, num_microbatches, set(stats.values))
     return dims, stats
 
 
