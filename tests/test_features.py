@@ -442,6 +442,10 @@ def test_a_donated_state_also_fetched_to_the_host_is_an_error_when_passed_again(
         par(s1, batches[1])
     assert not any(x.is_deleted() for x in jax.tree.leaves(s2))
     assert jax.tree.structure(host) == jax.tree.structure(s1)
+    jax.device_get(s2)  # the same through a timed call
+    (s3, _), _ = par.timed(s2, batches[0])
+    assert all(x.is_deleted() for x in jax.tree.leaves(s2) if isinstance(x, jax.Array))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(s3))
 
 
 def test_donated_state_the_step_returns_unchanged_stays_alive():

@@ -122,10 +122,7 @@ class AutoParallel:
             return out
         leaves, in_tree = jax.tree.flatten(positional)
         exe = self._lookup(leaves, in_tree)
-        with trace.outside_user_mesh():
-            outs = exe(_live_leaves(exe, leaves))
-        _retire_donated(exe, leaves, outs)
-        return jax.tree.unflatten(exe.step.out_tree, outs)
+        return jax.tree.unflatten(exe.step.out_tree, _run(exe, leaves))
 
     def _functional(
         self, positional: tuple[Any, ...]
@@ -175,8 +172,7 @@ class AutoParallel:
         leaves, in_tree = jax.tree.flatten(positional)
         times: list[float] = []
         exe = self._lookup(leaves, in_tree)
-        with trace.outside_user_mesh():
-            out = jax.tree.unflatten(exe.step.out_tree, exe(_live_leaves(exe, leaves), task_times=times))
+        out = jax.tree.unflatten(exe.step.out_tree, _run(exe, leaves, times))
         per_task: dict[tuple[int, str], list[float]] = {}
         for task, seconds in zip(exe.program.tasks, times, strict=True):
             match = re.fullmatch(r"([FB])\d+\.\d+(\+B\d+\.\d+)?", task.label)
@@ -314,6 +310,14 @@ def _live_leaves(exe: driver.Executable, leaves: list[Any]) -> list[Any]:
                 "donate_argnums donates it twice; pass a copy for one of them (e.g. jnp.copy)."
             )
     return leaves
+
+
+def _run(exe: driver.Executable, leaves: list[Any], task_times: list[float] | None = None) -> list[Any]:
+    """Runs ``exe`` on the arguments' leaves, checked first, and retires those donated to it."""
+    with trace.outside_user_mesh():
+        outs = exe(_live_leaves(exe, leaves), task_times=task_times)
+    _retire_donated(exe, leaves, outs)
+    return outs
 
 
 def _retire_donated(exe: driver.Executable, leaves: list[Any], outs: list[Any]) -> None:

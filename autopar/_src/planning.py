@@ -164,7 +164,7 @@ def require_region(step: trace.TracedStep, num_microbatches: int, num_stages: in
             "has none there: e.g. it uses jax.grad, or autopar.grad under jax.vmap); switch to "
             "autopar's on the whole batch, or use num_microbatches=1 and num_stages=1. A step that "
             "computes no gradient (an evaluation step) has nothing to pipeline: wrap it with "
-            "num_microbatches=1 and num_stages=1 (the defaults), or run it with jax.jit."
+            "num_microbatches=1 and num_stages=1, or run it with jax.jit."
         )
 
 

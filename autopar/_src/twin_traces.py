@@ -1,7 +1,7 @@
 """The step traced at one microbatch and at the whole batch, side by side.
 
 The microbatch checks (:mod:`~autopar._src.example_mixing`, :mod:`~autopar._src.example_order`,
-:mod:`~autopar._src.region_outputs`) compare the two traces equation by equation: a dim
+:mod:`~autopar._src.output_checks`) compare the two traces equation by equation: a dim
 ``num_microbatches`` times longer at the whole batch is per example. This module pairs the
 equations, finds the per-example dims, and follows the batch's integers.
 """

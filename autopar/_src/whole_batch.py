@@ -31,7 +31,7 @@ from autopar._src import compat, twin_traces
 from autopar._src.program import Key, Op
 from autopar._src.trace import TracedStep
 
-if TYPE_CHECKING:  # region_outputs reads batch statistics, which join leaves as here
+if TYPE_CHECKING:  # for the annotation alone: no import cycle at run time
     from autopar._src.region_outputs import Joined
 
 
