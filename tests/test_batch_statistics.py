@@ -423,10 +423,13 @@ def test_a_figure_of_the_inputs_returned_as_aux_is_the_whole_batchs():
     # The inputs' maximum and the padding's share: made once from the whole batch and read whole
     # by every microbatch, so their average is the batch's (each microbatch's own would differ).
     # The token count, of which each microbatch reads its share: returned as made once per step
-    # (before, refused as a sum over the examples).
+    # (before, refused as a sum over the examples), and so are integer counts the loss function
+    # reads nowhere else (before, refused as averaged).
     _, state, batches = _setup(LOSSES["masked mean"])
 
     def step(state, batch):
+        counted = jnp.sum(batch["y"] != -100)  # before the loss function
+
         def loss_fn(params):
             mask = batch["y"] != -100
             logits = state.apply_fn({"params": params}, batch["x"])
@@ -435,6 +438,12 @@ def test_a_figure_of_the_inputs_returned_as_aux_is_the_whole_batchs():
                 "largest input": jnp.max(jnp.abs(batch["x"])),
                 "padding": jnp.mean(~mask),
                 "tokens": jnp.sum(mask.astype(jnp.float32)),
+                # Integers too: returned as made once per step, no microbatch reads a share.
+                "integer tokens": jnp.sum(mask),
+                "tokens squared": jnp.sum(mask) ** 2,
+                "largest label": jnp.max(batch["y"]),
+                "tokens counted before": counted,
+                "labels per class": jnp.bincount(jnp.where(mask, batch["y"], 0).ravel(), length=4),
             }
             return jnp.sum(ce * mask) / jnp.sum(mask), figures
 

@@ -43,7 +43,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar._src import batch_scaling, compat, dependence, layers, nested_figures, whole_batch
+from autopar._src import (
+    batch_scaling,
+    compat,
+    dependence,
+    layers,
+    nested_figures,
+    region_outputs,
+    whole_batch,
+)
 from autopar._src.batch_scaling import Found
 from autopar._src.program import Key, Op
 from autopar._src.trace import TracedStep
@@ -69,6 +77,9 @@ class Statistics:
     wholes: Mapping[Any, Key] = dataclasses.field(default_factory=dict)
     """Each statistic -> the once-per-step key of the whole batch's value (a share's before
     the division): what the loss function returns when it returns the statistic itself."""
+    unshared: frozenset[Any] = frozenset()
+    """Integer counts of the batch the loss function returns and reads nowhere else: the whole
+    batch's value is returned; no microbatch reads a share."""
 
 
 NONE = Statistics({}, ())
@@ -148,8 +159,11 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             found.update((a, None) for a in e.invars if is_statistic(a) and not _integral(a))
         elif not all(is_statistic(v) for v in e.outvars if not compat.is_dropvar(v)):
             found.update((a, None) for a in batch_scaling.reads_as_figure(e, whole_shape) if is_statistic(a))
-    # An integer aux output cannot be averaged whatever it is: region_outputs says so.
-    found.update((a, None) for a in rj.outvars if is_statistic(a) and not _integral(a))
+    # One the loss function returns comes back as the whole batch's, an integer count too; one
+    # returned and read nowhere as a figure needs no share, so it may be an integer of any degree.
+    origins = [region_outputs.before_boundaries(rj, a) for a in rj.outvars]
+    returned = {a for a in origins if is_statistic(a) and a not in found}
+    found.update((a, None) for a in origins if is_statistic(a))
 
     # The same before the region: a figure there that meets the examples (x.mean(0) in x - x.mean(0)).
     def is_statistic_before(a: Any) -> bool:
@@ -191,10 +205,13 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             e, figure = making.get(outer.get(v, v), (None, is_statistic))
             pending.extend(a for a in (e.invars if e is not None else ()) if figure(a))
             continue
-        if degree and not batch_scaling.is_float(v):
+        if degree and not batch_scaling.is_float(v) and v not in returned:
             raise _integer_count(v, s.origin if s is not None else None, nmb)
         degrees[v] = degree
-    return _made_once(step, whole, {**pre.twin, **twin}, degrees, nmb, pre.fixed) if degrees else NONE
+    if not degrees:
+        return NONE
+    unshared = {v for v in returned if degrees[v] and not batch_scaling.is_float(v)}
+    return _made_once(step, whole, {**pre.twin, **twin}, degrees, nmb, pre.fixed, unshared)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,17 +274,23 @@ def before_region(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb
 def unread(step: TracedStep, stats: Statistics) -> set[Any]:
     """The values the step passes to its grad region that no microbatch reads once the
     statistics are read in place of their own (a token count made before the loss function),
-    and the statistics made before the region."""
+    or whose outputs are replaced by the whole batch's (an integer count it returns), and the
+    statistics made before the region."""
     region = step.jaxpr.eqns[step.region_index()]
     rj = region.params["info"].jaxpr
-    if not stats.values:
+    if not stats.values and not stats.unshared:
         return set()
-    needed = {v for v in rj.outvars if not compat.is_literal(v) and v not in stats.values}
+    replaced = {*stats.values, *stats.unshared}
+    needed = {
+        v
+        for v in rj.outvars
+        if not compat.is_literal(v) and region_outputs.before_boundaries(rj, v) not in replaced
+    }
     for e in reversed(rj.eqns):
         if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
-            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in stats.values)
+            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in replaced)
     outer = zip([*rj.constvars, *rj.invars], region.invars, strict=True)
-    return {o for v, o in outer if v not in needed and not compat.is_literal(o)} | set(stats.values)
+    return {o for v, o in outer if v not in needed and not compat.is_literal(o)} | replaced
 
 
 def _same(mine: Sequence[Any], theirs: Sequence[Any]) -> bool:
@@ -328,11 +351,13 @@ def _made_once(
     degrees: Mapping[Any, float],
     nmb: int,
     fixed: Set[Any],
+    unshared: Set[Any],
 ) -> Statistics:
     """The ops making each statistic of ``degrees`` once per step (see :class:`Statistics`):
     the twins of the equations that make it, in the region and before it, from the batch's
     leaves joined and the values of ``fixed`` (the step's, shared by the microbatches).
-    ``twin``: the step's variables at one microbatch -> at the whole batch."""
+    ``twin``: the step's variables at one microbatch -> at the whole batch. ``unshared``: the
+    integer counts the loss function only returns: made whole, no share."""
     region = whole.jaxpr.eqns[whole.region_index()]
     rw = region.params["info"].jaxpr
     outer = dict(zip([*rw.constvars, *rw.invars], region.invars, strict=True))  # region inputs
@@ -365,6 +390,8 @@ def _made_once(
     shares = {}
     wholes = {v: (name(twin[v]), None) for v in degrees}
     for v, degree in degrees.items():
+        if v in unshared:  # each microbatch makes its own, which nothing reads
+            continue
         if degree == 0.0:
             values[v] = (name(twin[v]), None)
             continue
@@ -375,4 +402,4 @@ def _made_once(
             Op(kind="acc", mode="mean", ins=((name(twin[v]), None),), outs=((share, None),), divisor=scale)
         )
         values[v] = (share, None)
-    return Statistics(values, tuple(ops), shares, wholes)
+    return Statistics(values, tuple(ops), shares, wholes, frozenset(unshared))

@@ -97,7 +97,9 @@ def per_example_outputs(
     averaged = [i for i in range(1 + num_aux) if i not in dims]
     share_scaling.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures, drawn)
-    output_checks.require_combinable(step, whole, batch_ids, dims, num_microbatches, set(stats.values))
+    output_checks.require_combinable(
+        step, whole, batch_ids, dims, num_microbatches, set(stats.values) | stats.unshared
+    )
     return dims, stats
 
 

@@ -210,7 +210,12 @@ def build_program(
         # whole batch's value, made once per step.
         for i, (rv, ov) in enumerate(zip(rj.outvars, region.outvars, strict=True)):
             origin = region_outputs.before_boundaries(rj, rv)
-            if 0 < i <= info.num_aux and nmb > 1 and _is_var(origin) and origin in stats.shares:
+            if (
+                0 < i <= info.num_aux
+                and nmb > 1
+                and _is_var(origin)
+                and (origin in stats.shares or origin in stats.unshared)
+            ):
                 whole_stats[ov] = stats.wholes[origin]
         pairs = [
             (rv, ov)
