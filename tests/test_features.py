@@ -651,6 +651,40 @@ def _above_the_median(losses):
     return jnp.sum(losses * kept) / jnp.sum(kept)
 
 
+def _causal_conv_along_the_batch(x):
+    """A depthwise causal convolution whose window runs along ``x``'s leading dim."""
+    kernel = jnp.full((x.shape[1], 1, 3), 0.3, x.dtype)
+    lhs = x.T[None]  # (1, features, rows): the rows are the convolution's spatial dim
+    return jax.lax.conv_general_dilated(lhs, kernel, (1,), ((2, 0),), feature_group_count=x.shape[1])[0].T
+
+
+def _rows_rebuilt(kind, x):
+    """``x`` remade row by row, each row from itself alone."""
+    if kind == "fori-buffer":
+        return jax.lax.fori_loop(0, x.shape[0], lambda i, a: a.at[i].set(jnp.sin(x[i])), jnp.zeros_like(x))
+    if kind == "fori-in-place":
+        return jax.lax.fori_loop(0, x.shape[0], lambda i, a: a.at[i].set(jnp.sin(a[i])), x)
+    # a scan over the rows with a counter carried alongside
+    return jax.lax.scan(lambda c, r: (c + 1, jnp.sin(r)), 0, x)[1]
+
+
+@pytest.mark.parametrize("kind", ["fori-buffer", "fori-in-place", "scan-with-counter"])
+def test_loops_over_the_rows_that_carry_no_examples_values_into_anothers_equal_jit(kind):
+    """A loop over the batch's rows inside the loss function whose carries are a counter or a
+    buffer of the rows is no recurrence over the examples (those are refused above)."""
+    _, state, batch = _mlp_step()
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, _rows_rebuilt(kind, batch["x"]))
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
+
+
 @pytest.mark.parametrize(
     "inputs,reduce",
     [
@@ -669,6 +703,13 @@ def _above_the_median(losses):
         (lambda x: jax.lax.scan(lambda c, _: (c + 0.1 * c[::-1], None), x, None, length=2)[0], jnp.mean),
         (lambda x: jax.lax.fori_loop(0, 2, lambda i, c: 0.7 * c + 0.3 * jnp.roll(c, 1, 0), x), jnp.mean),
         (lambda x: jax.lax.cond(x.sum() > -1e9, lambda c: c + 0.1 * c[::-1], lambda c: c, x), jnp.mean),
+        # along the batch as along time (time-major data): a recurrence, a running sum, a window
+        (
+            lambda x: jax.lax.scan(lambda h, r: (jnp.tanh(r + 0.5 * h),) * 2, jnp.zeros(x.shape[1:]), x)[1],
+            jnp.mean,
+        ),
+        (lambda x: jax.lax.scan(lambda c, r: (c + r, c + r), jnp.zeros(x.shape[1:]), x)[1], jnp.mean),
+        (lambda x: _causal_conv_along_the_batch(x), jnp.mean),
     ],
     ids=[
         "roll",
@@ -684,6 +725,9 @@ def _above_the_median(losses):
         "flip-in-scan",
         "roll-in-loop",
         "flip-in-cond",
+        "recurrence-over-rows",
+        "running-sum-over-rows",
+        "conv-over-rows",
     ],
 )
 def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatches(inputs, reduce):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import compat, layers, row_loops, twin_traces
+from autopar._src import carry_updates, compat, dependence, layers, row_loops, twin_traces
 from autopar._src.trace import TracedStep
 
 _STATIC_ELEMENTS = 1 << 20
@@ -112,7 +112,19 @@ def _combined_before_the_gradient(found: Any, where: str, nmb: int) -> ValueErro
         "values as mixup's partner, a statistic of more than the batch alone, rows picked by "
         "indices read from the batch, which number the whole batch's rows, rows of a Python "
         "loop over the batch combined with others) would not be the whole batch's. Do it in the "
-        f"data pipeline, or use num_microbatches=1.{inside}"
+        f"data pipeline, or use num_microbatches=1.{inside}{_leading_dim_hint(found)}"
+    )
+
+
+def _leading_dim_hint(found: Any) -> str:
+    """What to say where ``found`` runs along the batch's leading dim as along time: a
+    recurrence (``scan``) or a convolution's window over it, as on time-major data."""
+    if found.primitive.name not in ("scan", "conv_general_dilated"):
+        return ""
+    return (
+        " The batch arguments are split along their leading dim, which must be the examples': "
+        "for time-major data (nn.RNN(time_major=True), a scan over x of shape (time, batch, ...)) "
+        "pass the batch with its examples first and transpose inside the step."
     )
 
 
@@ -161,7 +173,7 @@ def require_examples_apart_in_loss(
                 "examples alone, so what it makes (another example's values as mixup's partner, the "
                 "hardest examples by top_k or a sort, a median, rows picked by indices read from the "
                 "batch, which number the whole batch's rows) would not be the whole batch's. Do it in "
-                "the data pipeline, pick per example, or use num_microbatches=1."
+                f"the data pipeline, pick per example, or use num_microbatches=1.{_leading_dim_hint(found)}"
             )
 
 
@@ -198,6 +210,8 @@ def _mixing(
     inside a body: all are taken as each example's own). Inside a loop's body (``looped``), what
     picks by an index is checked only for indices read from the batch: a loop over the batch's
     rows picks its row by the loop's counter."""
+    if _carries_examples_on(e, other, nmb):
+        return e
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
         inside = None if indices is None else indices.into(e.invars, body)
@@ -246,6 +260,13 @@ def _mixing(
         return None if kept else e
     if name == "split" and not within:  # ``jnp.split`` of the batch (inside: example_order)
         return e if p["axis"] in operand else None
+    if name == "conv_general_dilated":  # a window over neighbouring examples (time-major data)
+        numbers, kernel = p["dimension_numbers"], twin_traces.shape_of(e.invars[1])
+        window = {
+            d: (kernel[k], p["window_strides"][i], p["lhs_dilation"][i], tuple(p["padding"][i]))
+            for i, (d, k) in enumerate(zip(numbers.lhs_spec[2:], numbers.rhs_spec[2:], strict=True))
+        }
+        return e if any(window[d] != (1, 1, 1, (0, 0)) for d in operand if d in window) else None
     if name.startswith("reduce_window"):  # a pooling window over neighbouring examples
         alone = (
             (
@@ -284,6 +305,38 @@ def _mixing(
         aligned = _own_indices(e, other, ins, operand, nmb, indices)  # each example's own rows
         return e if operand & picked and not aligned else None
     return None
+
+
+def _carries_examples_on(e: Any, other: Any, nmb: int) -> bool:
+    """Whether ``e`` is a ``scan`` over the examples (or their chunks: ``other``, its twin at the
+    whole batch, runs more often) that carries what it made from some examples into
+    what it makes for the next (a recurrence over time-major data split along its time dim, a
+    running sum read per row). A sum, max or min carried to the end alone is a reduction (the
+    loss's checks follow it); a counter carries no example's values, and a buffer of rows (a
+    carry with a dim per example, written row by row, or the backward's cotangents of one) is
+    left to the checks of the reads and writes in the body."""
+    loop, theirs = compat.scan_loop(e), compat.scan_loop(other)
+    if loop is None or theirs is None or theirs.length == loop.length:
+        return False
+    per_example = [
+        not compat.is_literal(a) and bool(twin_traces.per_example_dims(a, b, nmb))
+        for a, b in zip(e.invars, other.invars, strict=True)
+    ]
+    made_from_examples = dependence.eqn_depends(e, per_example)
+    links = carry_updates.Links(loop.body.eqns)
+    for k in range(loop.num_carry):
+        carried = loop.body.invars[loop.num_consts + k]
+        if made_from_examples is not None and not made_from_examples[k]:
+            continue
+        if twin_traces.per_example_dims(e.outvars[k], other.outvars[k], nmb):
+            continue  # a buffer of the examples' rows: its reads and writes are left to _mixing
+        if carry_updates.update(loop.body.outvars[k], carried, links)[0] == "same":
+            continue
+        flags = [v is carried for v in loop.body.invars]
+        reached = dependence.depends(loop.body, flags)
+        if reached is None or any(r for j, r in enumerate(reached) if j != k):
+            return True
+    return False
 
 
 def _inside(e: Any, body: Any, indices: _Indices | None) -> _Indices | None:
