@@ -97,6 +97,7 @@ class _Walk(sort_permutations.Orders):
                 raise order_errors.rows_one_by_one(e, self.line(e))
         order = self._common(e, [a for a in e.invars if self.of(a) is not None], checked)
         numbered = any(not compat.is_literal(a) and a in self.positions for a in e.invars)
+        self._number(e, e.invars)
         for v in e.outvars:
             self._set(v, BATCH if order == ROWS else order if order != ANY else None, None)
             alike = [a for a in e.invars if self.of(a) is not None and a.aval.shape == v.aval.shape]
@@ -141,6 +142,7 @@ class _Walk(sort_permutations.Orders):
             ):
                 self._set(e.outvars[0], ROWS, None)
                 self.span[e.outvars[0]] = twin_traces.shape_of(e.outvars[0])[e.params["dimension"]]
+                self.numbered_at[e.outvars[0]] = e
             elif outs[0]:
                 self._set(e.outvars[0], ANY, None)
             return
@@ -174,6 +176,7 @@ class _Walk(sort_permutations.Orders):
             self.span.update((v, *spans) for v in e.outvars)
         values = [a for k, a in enumerate(e.invars) if ins[k] and k in _value_operands(e)]
         numbers = [a for a in values if self._numbered(a, naming, kept)]
+        self._number(e, numbers)
         if numbers and checked and any(floating(v) for v in e.outvars):
             data = [a for a in values if a not in numbers and self.of(a) not in (None, ANY, ROWS)]
             if data:
@@ -183,6 +186,16 @@ class _Walk(sort_permutations.Orders):
                 self._set(v, order, perm if integer(v) else None)
                 if (numbers and not (kept and integer(v))) or made:  # made: ``jnp.linspace(a, b, n)``
                     self.positions.add(v)
+                    self.numbered_at.setdefault(v, e)
+
+    def _number(self, e: Any, operands: Sequence[Any]) -> None:
+        """``e``'s results are made from the rows' numbers where one of ``operands`` is."""
+        made = next(
+            (self.numbered_at[a] for a in operands if not compat.is_literal(a) and a in self.numbered_at),
+            None,
+        )
+        if made is not None:
+            self.numbered_at.update((v, made) for v in e.outvars if not compat.is_dropvar(v))
 
     def _numbered(self, a: Any, naming: bool, kept: bool) -> bool:
         """Whether ``a`` is read for the positions of the rows as numbers: made from them, a
@@ -281,6 +294,8 @@ class _Walk(sort_permutations.Orders):
                 self.read.add(v)
             if not compat.is_literal(a) and a in self.positions:
                 self.positions.add(v)
+            if not compat.is_literal(a) and a in self.numbered_at:
+                self.numbered_at[v] = self.numbered_at[a]
             if not compat.is_literal(a) and a in self.flipped:
                 self.flipped[v] = self.flipped[a]
 

@@ -57,11 +57,13 @@ def renumbered(e: Any, at: str, nmb: int) -> ValueError:
     )
 
 
-def positions(e: Any, at: str) -> ValueError:
-    """``e`` reads the rows' positions as numbers (a weight per row, ranks) with the examples."""
+def positions(e: Any, at: str, made: Any, made_at: str) -> ValueError:
+    """``e`` reads the rows' positions as numbers (a weight per row, ranks) with the examples;
+    ``made`` made those numbers (``e`` itself, where it does)."""
+    numbered = "" if made is e else f", numbered at {made_at}: {_first(made)}"
     return ValueError(
         f"The loss function combines the examples with their positions in the batch (at {at}: "
-        f"{_first(e)}): a weight per row (`jnp.linspace(a, b, n)`), ranks (a double argsort). With "
+        f"{_first(e)}{numbered}): a weight per row (`jnp.linspace(a, b, n)`), ranks (a double argsort). With "
         "microbatches each numbers only its own rows, so neither the loss nor its gradients would "
         "be the whole batch's. Compute them in the data pipeline and pass them in the batch, or use "
         "num_microbatches=1."

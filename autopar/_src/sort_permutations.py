@@ -91,6 +91,9 @@ class Orders:
         """What each sort sorts (:meth:`_sorting`) -> the order of the first to sort it."""
         self.flips: dict[Any, Any] = {}
         """Each reversed order of rows -> the first ``rev`` equation that made it."""
+        self.numbered_at: dict[Any, Any] = {}
+        """Values made from the rows' numbers -> the equation that made the numbers (an ``iota``
+        along the examples, ``jnp.linspace(a, b, n)``), for the errors."""
         self.outer = "a line JAX did not record"
         """The line of the innermost loop or call being walked, for equations without their own."""
 
@@ -374,7 +377,10 @@ class Orders:
         values = [a for a in (*e.invars, *e.outvars) if not compat.is_literal(a)]
         if any(len(self.dims.get(a, ())) > 1 for a in values):  # ``jnp.eye`` against pairs
             return order_errors.pairs(e, self.line(e), self.nmb)
-        return order_errors.positions(e, self.line(e))
+        made = next(
+            (self.numbered_at[a] for a in e.invars if not compat.is_literal(a) and a in self.numbered_at), e
+        )
+        return order_errors.positions(e, self.line(e), made, self.line(made))
 
 
 def _flip(order: Any) -> Any:
