@@ -615,7 +615,24 @@ def _views_step(state, batch):
     return {"w": new, "t": state["t"], "centre": centre}, loss
 
 
-@pytest.mark.parametrize("step", [_advantages_step, _views_step], ids=["advantages", "views"])
+def _ema_eval_step(state, batch):
+    """An EMA model's loss evaluated before the gradient and returned: ``jax.nn.logsumexp``'s
+    trace holds an equation nothing reads (its ``sign``), which a forward task kept, reading a
+    value made only at the whole batch (before, a driver ``KeyError``)."""
+    classes = (batch["r"] > 0).astype(jnp.int32)
+
+    def nll(ws):
+        logits = jnp.tanh(jnp.tanh(batch["x"] @ ws[0]) @ ws[1]) @ ws[2]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, classes).mean()
+
+    ema_loss = nll(state["t"] + state["w"][2:])
+    loss, grads = autopar.value_and_grad(nll)(state["w"])
+    return {**state, "w": [w - 0.1 * g for w, g in zip(state["w"], grads, strict=True)]}, (loss, ema_loss)
+
+
+@pytest.mark.parametrize(
+    "step", [_advantages_step, _views_step, _ema_eval_step], ids=["advantages", "views", "ema-eval"]
+)
 def test_values_made_before_the_gradient_for_the_loss_and_again_for_code_after_it_equal_jit(step):
     """Made per microbatch in the forward tasks for the loss and again at the whole batch for the
     code after the gradient: the forward equations go to the stage of the loss's first reader,
@@ -625,6 +642,8 @@ def test_values_made_before_the_gradient_for_the_loss_and_again_for_code_after_i
     state = {"w": [jax.random.normal(keys[i], (8, 8)) * 0.3 for i in range(3)]}
     if step is _advantages_step:
         state["w"].append(jax.random.normal(keys[3], (8, 1)))
+    elif step is _ema_eval_step:
+        state["t"] = [0.9 * w for w in state["w"][:2]]
     else:
         state |= {
             "t": [jax.random.normal(keys[4 + i], (8, 8)) * 0.3 for i in range(2)],

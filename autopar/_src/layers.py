@@ -80,6 +80,19 @@ def is_boundary(eqn: Any) -> bool:
     return eqn.primitive is boundary_p
 
 
+def _dead(jaxpr: Any) -> set[int]:
+    """The ``id``s of the pure equations of ``jaxpr`` whose results nothing reads, nor the
+    jaxpr's outputs."""
+    live = {v for v in jaxpr.outvars if not compat.is_literal(v)}
+    dead = set()
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            live.update(a for a in eqn.invars if not compat.is_literal(a))
+        else:
+            dead.add(id(eqn))
+    return dead
+
+
 def inline_calls(
     jaxpr: Any,
     consts: Sequence[Any],
@@ -99,7 +112,7 @@ def inline_calls(
     results (:func:`autopar._src.cond_split.split_cond`). The step's own sharding constraints
     are dropped, in bodies too (:mod:`autopar._src.user_constraints`). A rematerialised call with
     at least ``split_remats`` FLOPs is bound as segments that the loss can be cut between
-    (:mod:`autopar._src.remat_split`)."""
+    (:mod:`autopar._src.remat_split`). A pure equation whose results nothing reads is left out."""
     env: dict[Any, Any] = {}
 
     def read(a: Any) -> Any:
@@ -110,7 +123,10 @@ def inline_calls(
 
     for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args), strict=True):
         env[v] = x
+    dead = _dead(jaxpr)
     for eqn in jaxpr.eqns:
+        if id(eqn) in dead:  # ``jax.nn.logsumexp``'s unused ``sign``
+            continue
         invals = [read(a) for a in eqn.invars]
         if user_constraints.is_constraint(eqn):
             outs = user_constraints.dropped(eqn, invals)
