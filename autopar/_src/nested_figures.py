@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from typing import Any
 
-from autopar._src import batch_scaling, compat, dependence, layers
+from autopar._src import batch_scaling, carry_updates, compat, dependence, layers
 
 
 def require_none(
@@ -40,7 +40,10 @@ def require_none(
             if _in(a, tainted) and a.aval.shape != b.aval.shape
         }
         for body, twin, operands, carried in _bodies(e, t):
+            sums = _summed_figures(body, operands, carried, bound)
+            carried = carried - sums
             inner_tainted = {v for v, a in zip(body.invars, operands, strict=True) if _in(a, examples)}
+            _taint_sums(body, sums, min(carried | sums, default=0), inner_tainted)
             inner_bound = {
                 v
                 for k, (v, a) in enumerate(zip(body.invars, operands, strict=True))
@@ -89,6 +92,44 @@ def _bodies(e: Any, t: Any) -> list[tuple[Any, Any, Sequence[Any], set[int]]]:
         ]
     body, twin = compat.operand_body(e), compat.operand_body(t)
     return [] if body is None or twin is None else [(body, twin, e.invars, set())]
+
+
+def _summed_figures(body: Any, operands: Sequence[Any], carried: Set[int], bound: Set[Any]) -> set[int]:
+    """The positions among ``carried`` (a scan's carries) of the running sums of figures of the
+    batch: each starts from a value made from neither the model nor draws (``0.0``) and adds only
+    such values (a chunked loss's token count ``n + jnp.sum(m)``): a figure of the batch, as the
+    sum of the chunks' counts is."""
+    if not carried:
+        return set()
+    first = min(carried)
+    links = carry_updates.Links(body.eqns)
+    sums = {
+        k
+        for k in carried
+        if not _in(operands[k], bound)
+        and carry_updates.update(body.outvars[k - first], body.invars[k], links)[0] == "sum"
+    }
+    while sums:
+        flags = [(k in carried and k not in sums) or _in(a, bound) for k, a in enumerate(operands)]
+        reached = dependence.depends(body, flags)
+        if reached is None:
+            return set()
+        adds_bound = {k for k in sums if reached[k - first]}
+        if not adds_bound:
+            break
+        sums -= adds_bound
+    return sums
+
+
+def _taint_sums(body: Any, sums: Set[int], first: int, tainted: set[Any]) -> None:
+    """Adds to ``tainted`` the carries at ``sums`` (``first``: the first carry's position) that
+    add what is made from the examples: read in the body, they are figures of the batch."""
+    while sums:
+        reached = dependence.depends(body, [v in tainted for v in body.invars])
+        grown = {body.invars[k] for k in sums if reached is None or reached[k - first]} - tainted
+        if not grown:
+            return
+        tainted.update(grown)
 
 
 def _read_inside(body: Any, twin: Any, tainted: set[Any], bound: set[Any], nmb: int) -> Any | None:
