@@ -3,6 +3,8 @@ where the rows go back to the batch's order (a dropless mixture of experts' sort
 an error naming the sort where the sorted rows meet others (the labels, a weight per rank) or
 are returned per example."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -430,6 +432,20 @@ def _above_the_median_rank(losses):
 def test_positions_in_the_batch_read_as_numbers_are_an_error_with_microbatches(step):
     """A microbatch's ranks and row numbers are not the whole batch's."""
     _assert_refused_with_microbatches(step, r"positions in (the batch|their microbatch)")
+
+
+def _low_discrepancy_times(losses):
+    """VDM's low-discrepancy times, one per row, made a line before they weigh the losses."""
+    times = jnp.mod(0.3 + jnp.arange(losses.shape[0]) / losses.shape[0], 1.0)
+    return (losses * times).mean()
+
+
+def test_the_error_for_positions_read_as_numbers_names_where_they_are_made():
+    line = inspect.getsourcelines(_low_discrepancy_times)[1] + 2
+    _assert_refused_with_microbatches(
+        _step(on_losses=_low_discrepancy_times),
+        rf"positions in the batch \(at .*:{line + 1} .*mul.*, numbered at .*:{line} .*iota",
+    )
 
 
 def _python_loop_step(reduce):
