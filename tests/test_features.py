@@ -174,6 +174,28 @@ def test_a_batch_size_written_in_the_code_is_an_error_naming_it_with_microbatche
     assert_same_as_jit(step, w, [batch], TOLERANCES["sgd"], num_stages=1, num_microbatches=1)
 
 
+def test_a_row_per_example_kept_outside_the_batch_is_an_error_naming_it_with_microbatches():
+    """A recurrent state carried between steps in the state (truncated backpropagation through
+    time) has a row per example but is not split: the error names it and says to pass it in the
+    batch."""
+    w = jnp.eye(4) * 0.5
+
+    def step(state, batch):
+        def loss_fn(w):
+            h = jnp.tanh(batch["x"] @ w + state["carry"])
+            return jnp.mean(h**2), jax.lax.stop_gradient(h)
+
+        (loss, carry), grad = autopar.value_and_grad(loss_fn, has_aux=True)(state["w"])
+        return {"w": state["w"] - 0.1 * grad, "carry": carry}, loss
+
+    state, batch = {"w": w, "carry": jnp.zeros((8, 4))}, {"x": jnp.ones((8, 4))}
+    with pytest.raises(
+        ValueError, match=r"outside the batch have 8 rows too \(args\[0\]\['carry'\]\).*pass it in"
+    ):
+        autopar.autoparallel(step, num_stages=1, num_microbatches=4)(state, batch)
+    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=1, num_microbatches=1)
+
+
 def test_two_gradients_are_an_error_naming_them_before_the_second_is_cut_into_layers():
     """The second loss reads ``x[8:]``, which one microbatch of 8 rows has none of."""
 

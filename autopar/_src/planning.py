@@ -61,13 +61,32 @@ def trace_at(
         return at(rows)
     except Exception as e:
         at(full)  # the batch's own error, where it fails there too
+        outside = _rows_outside(args, ids, full)
         raise ValueError(
             f"The step fails when traced with {rows} rows in place of the batch's {full}, as autopar "
             f"traces it (one microbatch, or a probe of the layers' costs): {type(e).__name__}: {e} "
             f"At {full} rows it traces, so it takes the batch size from elsewhere than the batch's "
             "shapes (a number written in the code, as in x.reshape(8 * seq, d)). Read it from the "
-            "arrays' shapes (x.reshape(-1, d), x.shape[0]), or use num_microbatches=1."
+            f"arrays' shapes (x.reshape(-1, d), x.shape[0]), or use num_microbatches=1.{outside}"
         ) from e
+
+
+def _rows_outside(args: tuple[Any, ...], batch_leaves: set[int], full: int) -> str:
+    """What to add where arrays outside the batch have as many rows as the batch: maybe a row per
+    example (an RNN's carry kept in the state between steps), which is not split."""
+    paths = [
+        f"args{jax.tree_util.keystr(path)}"
+        for i, (path, x) in enumerate(jax.tree_util.tree_flatten_with_path(args)[0])
+        if i not in batch_leaves and jax.typeof(x).shape[:1] == (full,)
+    ]
+    if not paths or full < 2:
+        return ""
+    named = f" ({', '.join(paths)})" if len(paths) <= 4 else f" ({len(paths)} of them)"
+    return (
+        f" Arrays outside the batch have {full} rows too{named}: if one holds a row per example "
+        "(an RNN's carry kept in the state between steps), pass it in the batch (an argument of "
+        "batch_argnums), which is split into microbatches, and return it as per-example aux."
+    )
 
 
 def step_profile(
