@@ -805,13 +805,20 @@ def test_arguments_by_keyword_and_numpy_int_options_are_taken_like_jit():
         np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
     assert par.plan(state=state, batch=batch) is par.plan(state, batch)  # one compiled program
 
-    def keyword_only(state, *, batch):
-        return step(state, batch)
+    # Keyword-only arguments and **kwargs are passed on by name, after the others by position.
+    def keyword_only(state, *, batch, scale=1.0, **extra):
+        new, loss = step(state, batch)
+        return new, loss * scale + sum(extra.values())
 
-    with pytest.raises(ValueError, match=r"\['batch'\] cannot be \(keyword-only"):
-        autopar.autoparallel(keyword_only)(state, batch=batch)
+    par = autopar.autoparallel(keyword_only, num_stages=2, num_microbatches=2)
+    for kwargs in (dict(batch=batch), dict(batch=batch, scale=2.0, shift=jnp.ones(()))):
+        got, ref = par(state, **kwargs), jax.jit(keyword_only)(state, **kwargs)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+    shardings = par.input_shardings(state, batch=batch, scale=2.0)
+    assert len(shardings) == 1 and jax.tree.structure(shardings[0]) == jax.tree.structure(state)
     with pytest.raises(TypeError, match="got an unexpected keyword argument 'labels'"):
-        par(state, batch, labels=batch)
+        autopar.autoparallel(step)(state, batch, labels=batch)
 
 
 def test_static_arguments_are_traced_as_python_values_with_a_program_for_each_like_jit():

@@ -108,10 +108,17 @@ class AutoParallel:
         """Per NNX objects' positions and graph: the step as a pure function of their state."""
         self._static: dict[Any, AutoParallel] = {}
         """Per static arguments' values: the step as a function of the others."""
+        self.by_name = 0
+        """How many of the last arguments the step passes on by name (keyword-only)."""
+        self._keywords: dict[Any, AutoParallel] = {}
+        """Per count of positional arguments and names of those only passed by name: the step
+        taking them last by position."""
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        positional = self._positional(args, kwargs)
+        named, positional = self._positional(args, kwargs)
+        if named is not self:
+            return named(*positional)
         inner, rest, _ = self._static_bound(positional)
         if inner is not self:
             return inner(*rest)
@@ -160,7 +167,9 @@ class AutoParallel:
         1F1B); ready for ``plan.timeline(path, task_seconds=...)``. Waiting serialises the
         pipeline, so the step itself is slower than a normal call.
         """
-        positional = self._positional(args, kwargs)
+        named, positional = self._positional(args, kwargs)
+        if named is not self:
+            return named.timed(*positional)
         inner, rest, _ = self._static_bound(positional)
         if inner is not self:
             return inner.timed(*rest)
@@ -196,7 +205,9 @@ class AutoParallel:
         shardings (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` as the target) puts
         every leaf on its stage's devices directly, rather than on one device first.
         """
-        positional = self._positional(args, kwargs)
+        named, positional = self._positional(args, kwargs)
+        if named is not self:  # those of the arguments passed by name left out
+            return named.input_shardings(*positional)[: len(positional) - named.by_name]
         inner, rest, static = self._static_bound(positional)
         if inner is not self:
             return nnx_support.interleaved([None] * len(static), inner.input_shardings(*rest), static)
@@ -210,7 +221,9 @@ class AutoParallel:
 
     def executable(self, *args: Any, **kwargs: Any) -> driver.Executable:
         """The compiled program for these arguments (for inspection)."""
-        positional = self._positional(args, kwargs)
+        named, positional = self._positional(args, kwargs)
+        if named is not self:
+            return named.executable(*positional)
         inner, rest, _ = self._static_bound(positional)
         if inner is not self:
             return inner.executable(*rest)
@@ -241,22 +254,30 @@ class AutoParallel:
             inner = self._static[key] = AutoParallel(static_args.bound(self.fn, positional, static), options)
         return inner, static_args.others(positional, static), static
 
-    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The step's arguments by position (``batch_argnums`` and ``donate_argnums`` count
-        positions), with those given by keyword put in their place."""
+    def _positional(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[AutoParallel, tuple[Any, ...]]:
+        """The step to call by position and its arguments (``batch_argnums`` and
+        ``donate_argnums`` count positions), with those given by keyword put in their place.
+        Those that cannot be (keyword-only, ``**kwargs``, after a parameter left to its default)
+        follow the others, and a step wrapping this one, one per set of their names, passes them
+        on by name."""
         if not kwargs:
-            return args
+            return self, args
         try:
             bound = inspect.signature(self.fn).bind(*args, **kwargs)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{getattr(self.fn, '__name__', 'the step')}() {e}") from e
-        if bound.kwargs:
-            raise ValueError(
-                f"autopar passes the step's arguments by position, but {sorted(bound.kwargs)} cannot "
-                "be (keyword-only, **kwargs, or after a parameter left to its default); pass every "
-                "argument up to them by position."
-            )
-        return bound.args
+        if not bound.kwargs:
+            return self, bound.args
+        names = tuple(sorted(bound.kwargs))
+        key = (len(bound.args), names)
+        inner = self._keywords.get(key)
+        if inner is None:
+            inner = AutoParallel(_by_name(self.fn, len(bound.args), names), self.options)
+            inner.by_name = len(names)
+            self._keywords[key] = inner
+        return inner, (*bound.args, *(bound.kwargs[k] for k in names))
 
     def _executable(self, args: tuple[Any, ...]) -> driver.Executable:
         return self._lookup(*jax.tree.flatten(args))
@@ -279,6 +300,17 @@ class AutoParallel:
             with trace.outside_user_mesh():
                 exe = self._cache[key] = build.executable(self.fn, args, self.options)
         return exe
+
+
+def _by_name(fn: Callable[..., Any], n: int, names: tuple[str, ...]) -> Callable[..., Any]:
+    """``fn`` taking its arguments after the first ``n`` by position, passing them on by
+    ``names``."""
+
+    @functools.wraps(fn)
+    def step(*args: Any) -> Any:
+        return fn(*args[:n], **dict(zip(names, args[n:], strict=True)))
+
+    return step
 
 
 def _live_leaves(exe: driver.Executable, leaves: list[Any]) -> list[Any]:
