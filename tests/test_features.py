@@ -732,6 +732,12 @@ def test_loops_over_the_rows_that_carry_no_examples_values_into_anothers_equal_j
         ),
         (lambda x: jax.lax.scan(lambda c, r: (c + r, c + r), jnp.zeros(x.shape[1:]), x)[1], jnp.mean),
         (lambda x: _causal_conv_along_the_batch(x), jnp.mean),
+        (
+            lambda x: jax.lax.fori_loop(
+                1, x.shape[0], lambda i, a: a.at[i].set(jnp.tanh(a[i] + 0.5 * a[i - 1])), x
+            ),
+            jnp.mean,
+        ),
     ],
     ids=[
         "roll",
@@ -750,6 +756,7 @@ def test_loops_over_the_rows_that_carry_no_examples_values_into_anothers_equal_j
         "recurrence-over-rows",
         "running-sum-over-rows",
         "conv-over-rows",
+        "row-from-the-previous-row",
     ],
 )
 def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatches(inputs, reduce):

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import carry_updates, compat, dependence, layers, row_loops, twin_traces
+from autopar._src import compat, layers, loop_carries, row_loops, twin_traces
 from autopar._src.trace import TracedStep
 
 _STATIC_ELEMENTS = 1 << 20
@@ -210,7 +210,7 @@ def _mixing(
     inside a body: all are taken as each example's own). Inside a loop's body (``looped``), what
     picks by an index is checked only for indices read from the batch: a loop over the batch's
     rows picks its row by the loop's counter."""
-    if _carries_examples_on(e, other, nmb):
+    if loop_carries.carries_examples_on(e, other, nmb):
         return e
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
@@ -305,38 +305,6 @@ def _mixing(
         aligned = _own_indices(e, other, ins, operand, nmb, indices)  # each example's own rows
         return e if operand & picked and not aligned else None
     return None
-
-
-def _carries_examples_on(e: Any, other: Any, nmb: int) -> bool:
-    """Whether ``e`` is a ``scan`` over the examples (or their chunks: ``other``, its twin at the
-    whole batch, runs more often) that carries what it made from some examples into
-    what it makes for the next (a recurrence over time-major data split along its time dim, a
-    running sum read per row). A sum, max or min carried to the end alone is a reduction (the
-    loss's checks follow it); a counter carries no example's values, and a buffer of rows (a
-    carry with a dim per example, written row by row, or the backward's cotangents of one) is
-    left to the checks of the reads and writes in the body."""
-    loop, theirs = compat.scan_loop(e), compat.scan_loop(other)
-    if loop is None or theirs is None or theirs.length == loop.length:
-        return False
-    per_example = [
-        not compat.is_literal(a) and bool(twin_traces.per_example_dims(a, b, nmb))
-        for a, b in zip(e.invars, other.invars, strict=True)
-    ]
-    made_from_examples = dependence.eqn_depends(e, per_example)
-    links = carry_updates.Links(loop.body.eqns)
-    for k in range(loop.num_carry):
-        carried = loop.body.invars[loop.num_consts + k]
-        if made_from_examples is not None and not made_from_examples[k]:
-            continue
-        if twin_traces.per_example_dims(e.outvars[k], other.outvars[k], nmb):
-            continue  # a buffer of the examples' rows: its reads and writes are left to _mixing
-        if carry_updates.update(loop.body.outvars[k], carried, links)[0] == "same":
-            continue
-        flags = [v is carried for v in loop.body.invars]
-        reached = dependence.depends(loop.body, flags)
-        if reached is None or any(r for j, r in enumerate(reached) if j != k):
-            return True
-    return False
 
 
 def _inside(e: Any, body: Any, indices: _Indices | None) -> _Indices | None:

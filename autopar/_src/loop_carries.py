@@ -1,0 +1,130 @@
+"""Loops over the examples that carry one example's values into another's.
+
+A ``scan`` whose trip count follows the batch runs over the examples (or chunks of them): with
+microbatches each microbatch's loop starts afresh from the carries' initial values. That is
+``jax.jit``'s result where no iteration reads what an earlier one made from its examples: a
+counter, a sum (or max, min) carried to the end alone (a reduction, which the loss's checks
+follow), a buffer written row by row, each row from itself. It is not where a carry made from
+the examples reaches the next iteration's results (a recurrence along time-major data split along
+its time dim, a running sum read per row), or where a buffer's row is made from another of its
+rows (``a.at[i].set(f(a[i - 1]))``): :func:`carries_examples_on` finds those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from autopar._src import carry_updates, compat, dependence, twin_traces
+
+_TRIES = 3
+"""How many of the counter's values a buffer's read and written rows are compared at."""
+
+
+def carries_examples_on(e: Any, other: Any, nmb: int) -> bool:
+    """Whether ``e`` is a ``scan`` over the examples (``other``, its twin at the whole batch, runs
+    more often) that carries what it made from some examples into what it makes for others (see
+    the module's docstring)."""
+    loop, theirs = compat.scan_loop(e), compat.scan_loop(other)
+    if loop is None or theirs is None or theirs.length == loop.length:
+        return False
+    per_example = [
+        not compat.is_literal(a) and bool(twin_traces.per_example_dims(a, b, nmb))
+        for a, b in zip(e.invars, other.invars, strict=True)
+    ]
+    made_from_examples = dependence.eqn_depends(e, per_example)
+    links = carry_updates.Links(loop.body.eqns)
+    for k in range(loop.num_carry):
+        carried = loop.body.invars[loop.num_consts + k]
+        if made_from_examples is not None and not made_from_examples[k]:
+            continue
+        kind = carry_updates.update(loop.body.outvars[k], carried, links)[0]
+        if kind == "same":
+            continue
+        rows = twin_traces.per_example_dims(e.outvars[k], other.outvars[k], nmb)
+        if rows:  # a buffer of the examples' rows (or the backward's cotangents of one)
+            if _rows_made_from_others(loop, e.invars, carried, rows):
+                return True
+            continue
+        reached = dependence.depends(loop.body, [v is carried for v in loop.body.invars])
+        if reached is None or any(r for j, r in enumerate(reached) if j != k):
+            return True
+    return False
+
+
+def _rows_made_from_others(loop: compat.Loop, operands: Sequence[Any], buffer: Any, rows: set[int]) -> bool:
+    """Whether an iteration of ``loop`` reads a row of ``buffer`` (a carry, ``rows``: its dims per
+    example) other than the one it writes, as far as the loop's counter tells: each slice's start
+    along those dims is computed at the counter's first values and compared with the write's."""
+    body = loop.body
+    counters = [
+        (v, operands[loop.num_consts + k])
+        for k, v in enumerate(body.invars[loop.num_consts : loop.num_consts + loop.num_carry])
+        if compat.is_literal(operands[loop.num_consts + k]) and v.aval.shape == () and _counts(body, v, k)
+    ]
+    if len(counters) != 1:
+        return False
+    counter, start = counters[0]
+    first = int(compat.literal_value(start))
+    reads, writes = [], []
+    for q in body.eqns:
+        if not q.invars or q.invars[0] is not buffer:
+            continue
+        name = q.primitive.name
+        if name == "dynamic_slice":
+            reads.append([q.invars[1 + d] for d in sorted(rows)])
+        elif name == "dynamic_update_slice":
+            writes.append([q.invars[2 + d] for d in sorted(rows)])
+        elif name == "scatter" and tuple(q.params["dimension_numbers"].scatter_dims_to_operand_dims) == tuple(
+            sorted(rows)
+        ):
+            writes.append([q.invars[1]])
+    if not reads or not writes:
+        return False
+    producer = {v: q for q in body.eqns for v in q.outvars}
+    for t in range(first, first + min(_TRIES, loop.length)):
+        known: dict[Any, Any] = {counter: np.int32(t)}
+        written = {_flat(_value(a, producer, known)) for w in writes for a in w}
+        read = [_flat(_value(a, producer, known)) for r in reads for a in r]
+        if None in written or len(written) != 1 or None in read:
+            return False
+        if any(x != next(iter(written)) for x in read):
+            return True
+    return False
+
+
+def _counts(body: Any, v: Any, k: int) -> bool:
+    """Whether carry ``k`` (``v`` in ``body``) goes up by one each iteration."""
+    q = next((q for q in body.eqns if body.outvars[k] in q.outvars), None)
+    return (
+        q is not None
+        and q.primitive.name == "add"
+        and v in q.invars
+        and any(compat.is_literal(a) and int(compat.literal_value(a)) == 1 for a in q.invars)
+    )
+
+
+def _value(a: Any, producer: dict[Any, Any], known: dict[Any, Any], depth: int = 0) -> Any:
+    """``a``'s value from literals and ``known`` values, or None."""
+    if compat.is_literal(a):
+        return compat.literal_value(a)
+    if a in known:
+        return known[a]
+    q = producer.get(a)
+    if q is None or depth > 32 or compat.bodies(q):
+        return None
+    ins = [_value(b, producer, known, depth + 1) for b in q.invars]
+    if any(x is None for x in ins):
+        return None
+    try:
+        outs = compat.bind_eqn(q, ins)
+    except Exception:  # noqa: BLE001 - a primitive that cannot run on values here: not known
+        return None
+    known.update(zip(q.outvars, outs, strict=True))
+    return known[a]
+
+
+def _flat(x: Any) -> Any:
+    return None if x is None else tuple(np.asarray(x).ravel().tolist())
