@@ -303,6 +303,18 @@ def _hardest_negative(losses):
             r"The loss .* reduces over the examples .* terms that depend on a figure over the whole "
             r"batch that is no mean \(at .*test_region_outputs.*\).*jax.vmap",
         ),
+        # Divided by a sum over the examples of what the model computes: each microbatch's own.
+        (
+            lambda losses, y: jnp.nanmean(jnp.where(y > 2, losses, jnp.nan)),
+            None,
+            r"divides by a sum over the examples of what the model computes .*test_region_outputs.*"
+            r"nanmean.*where=m",
+        ),
+        (
+            lambda losses, y: 1 - jnp.sum(losses * (y > 2)) / jnp.sum(losses + (y > 2)),
+            None,
+            r"divides by a sum over the examples of what the model computes",
+        ),
     ],
     ids=[
         "loss-sum",
@@ -330,6 +342,8 @@ def _hardest_negative(losses):
         "loss-hardest-negative",
         "loss-sqrt-of-sum",
         "terms-scaled-by-a-norm",
+        "loss-nanmean-of-the-model",
+        "loss-batch-dice",
     ],
 )
 def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):

@@ -129,7 +129,7 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             made.update(v for a, v in zip(e.invars, e.outvars, strict=True) if _integral(a) and a in made)
             continue
         made.update(e.outvars)
-        if e.primitive is layers.cotangent_seed_p or _draws(e):
+        if e.primitive is layers.cotangent_seed_p or draws(e):
             bound.update(e.outvars)
             continue
         for values in (bound, tainted):
@@ -257,7 +257,7 @@ def before_region(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb
         read = [a for a in e.invars if not compat.is_literal(a)]
         if all(a in fixed for a in read) and str(e) == str(t):
             fixed.update(v for v in e.outvars if not compat.is_dropvar(v))
-        elif _draws(e) or not all(a in batch_only or a in fixed or a in shaped for a in read):
+        elif draws(e) or not all(a in batch_only or a in fixed or a in shaped for a in read):
             continue
         elif any(a in derived for a in read):
             batch_only.update(e.outvars)
@@ -339,9 +339,9 @@ def _integer_count(v: Any, origin: Any, nmb: int) -> ValueError:
     )
 
 
-def _draws(e: Any) -> bool:
+def draws(e: Any) -> bool:
     """Whether ``e`` or an equation in its bodies draws random values."""
-    return e.primitive.name.startswith(_DRAWS) or any(_draws(q) for b in compat.bodies(e) for q in b.eqns)
+    return e.primitive.name.startswith(_DRAWS) or any(draws(q) for b in compat.bodies(e) for q in b.eqns)
 
 
 def _made_once(

@@ -159,9 +159,15 @@ def require_examples_apart_in_loss(
     )
     indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns), positions)
     twins = dict(zip(rj.invars, rw.invars, strict=True))
+    num_aux = step.jaxpr.eqns[step.region_index()].params["info"].num_aux
+    live = twin_traces.feeding_values(rj, rj.outvars[: 1 + num_aux], statistics)
     for e in mine:
         other = twin_traces.reading_twins(e, twin.get(id(e)), twins)
-        found = _mixing(e, other, nmb, within=True, indices=indices) if id(e) in used and other else None
+        found = (
+            _mixing(e, other, nmb, within=True, indices=indices, live=live)
+            if id(e) in used and other
+            else None
+        )
         if found is not None and len(twin) < len(mine) and _picks_a_row(found, positions):
             continue  # traces paired around a Python loop over the rows: a row's slice is its own
         if found is not None:
@@ -202,6 +208,7 @@ def _mixing(
     indices: _Indices | None = None,
     within: bool = False,
     looped: bool = False,
+    live: Set[Any] | None = None,
 ) -> Any:
     """``e`` or the equation inside its body that combines examples (``other``: its twin at the
     whole batch), or None. ``within`` the loss function, reductions over the examples, pairs of
@@ -210,7 +217,7 @@ def _mixing(
     inside a body: all are taken as each example's own). Inside a loop's body (``looped``), what
     picks by an index is checked only for indices read from the batch: a loop over the batch's
     rows picks its row by the loop's counter."""
-    if loop_carries.carries_examples_on(e, other, nmb):
+    if loop_carries.carries_examples_on(e, other, nmb, live):
         return e
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:

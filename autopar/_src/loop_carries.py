@@ -12,7 +12,7 @@ rows (``a.at[i].set(f(a[i - 1]))``): :func:`carries_examples_on` finds those.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -23,22 +23,35 @@ _TRIES = 3
 """How many of the counter's values a buffer's read and written rows are compared at."""
 
 
-def carries_examples_on(e: Any, other: Any, nmb: int) -> bool:
+def carries_examples_on(e: Any, other: Any, nmb: int, live: Set[Any] | None = None) -> bool:
     """Whether ``e`` is a ``scan`` over the examples (``other``, its twin at the whole batch, runs
     more often) that carries what it made from some examples into what it makes for others (see
-    the module's docstring)."""
+    the module's docstring). ``live``: the values read on the way to the loss function's own
+    outputs, where ``e`` is differentiated (None: all): the stacked results the backward alone
+    reads (a differentiated loop's residuals, such as its carries' values) do not count, nor a
+    loop of the backward (which moves cotangents between carries as the forward moved values)."""
     loop, theirs = compat.scan_loop(e), compat.scan_loop(other)
     if loop is None or theirs is None or theirs.length == loop.length:
         return False
+    if live is not None and not any(v in live for v in e.outvars):
+        return False  # the backward's (it mirrors the forward's loop)
     per_example = [
         not compat.is_literal(a) and bool(twin_traces.per_example_dims(a, b, nmb))
         for a, b in zip(e.invars, other.invars, strict=True)
     ]
-    made_from_examples = dependence.eqn_depends(e, per_example)
+    seeds = {v for v, f in zip(loop.body.invars, per_example, strict=True) if f}
+    while True:  # the carries made from the examples, grown over iterations
+        made_from_examples = _reached(loop.body, seeds)
+        grown = {
+            loop.body.invars[loop.num_consts + k] for k in range(loop.num_carry) if made_from_examples[k]
+        } - seeds
+        if not grown:
+            break
+        seeds |= grown
     links = carry_updates.Links(loop.body.eqns)
     for k in range(loop.num_carry):
         carried = loop.body.invars[loop.num_consts + k]
-        if made_from_examples is not None and not made_from_examples[k]:
+        if not made_from_examples[k]:
             continue
         kind = carry_updates.update(loop.body.outvars[k], carried, links)[0]
         if kind == "same":
@@ -48,10 +61,26 @@ def carries_examples_on(e: Any, other: Any, nmb: int) -> bool:
             if _rows_made_from_others(loop, e.invars, carried, rows):
                 return True
             continue
-        reached = dependence.depends(loop.body, [v is carried for v in loop.body.invars])
-        if reached is None or any(r for j, r in enumerate(reached) if j != k):
+        reached = _reached(loop.body, {carried})
+        if any(
+            r and (j < loop.num_carry or live is None or e.outvars[j] in live)
+            for j, r in enumerate(reached)
+            if j != k
+        ):
             return True
     return False
+
+
+def _reached(body: Any, seeds: Set[Any]) -> list[bool]:
+    """For each output of ``body``, whether it is made from one of ``seeds``; an equation whose
+    outputs :mod:`~autopar._src.dependence` cannot tell apart (a scatter's combiner) makes all of
+    them from each operand."""
+    reached = set(seeds)
+    for q in body.eqns:
+        flags = [not compat.is_literal(a) and a in reached for a in q.invars]
+        out = dependence.eqn_depends(q, flags)
+        reached.update(v for v, f in zip(q.outvars, out or [any(flags)] * len(q.outvars), strict=True) if f)
+    return [not compat.is_literal(v) and v in reached for v in body.outvars]
 
 
 def _rows_made_from_others(loop: compat.Loop, operands: Sequence[Any], buffer: Any, rows: set[int]) -> bool:

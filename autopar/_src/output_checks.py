@@ -105,6 +105,13 @@ def require_combinable(
         before = batch_statistics.before_region(step, whole, {step.arg_vars[i] for i in batch_ids}, nmb)
         given = {v: s for v, s in before.given.items() if not s.extreme}
         means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given)
+        # The model's values: the differentiated inputs, and what the step draws before the region.
+        drawn = step.derived(
+            {v for e in step.jaxpr.eqns[:at] if batch_statistics.draws(e) for v in e.outvars}
+        )
+        model = [*rj.invars[len(rj.invars) - region.params["info"].num_grads :]]
+        model += [v for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True) if o in drawn]
+        _require_divisors_of_the_batch(rj, twin, tainted, {**loss, **combined}, nmb, given, model)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -133,6 +140,52 @@ def require_combinable(
             f"num_microbatches={nmb}, {str(other).splitlines()[0]!r} for the batch), e.g. an "
             "examples-seen counter in a module's state; with microbatches it would count one "
             "microbatch. Pass the count to the step as an argument, or use num_microbatches=1."
+        )
+
+
+def _require_divisors_of_the_batch(
+    rj: Any,
+    twin: Mapping[int, Any],
+    tainted: set[Any],
+    averaged: Mapping[Any, int],
+    nmb: int,
+    given: batch_scaling.Found,
+    model_inputs: Sequence[Any],
+) -> None:
+    """Checks that the loss and the averaged aux outputs divide by no sum over the examples of
+    what the model computes or draws (``jnp.nanmean``'s count of the values that are not NaN, a
+    batch dice's sum of the predictions): each microbatch would divide by its own. Sums of the
+    batch alone (a masked mean's token count) are made once per step; means (a literal count)
+    divide alike in every microbatch. ``model``: the region's inputs that are the model's or
+    drawn."""
+    model = set(model_inputs)
+    for e in rj.eqns:
+        reads = [not compat.is_literal(a) and a in model for a in e.invars]
+        if layers.is_boundary(e):  # an identity per value
+            model.update(v for v, r in zip(e.outvars, reads, strict=True) if r)
+            continue
+        if e.primitive is layers.cotangent_seed_p or batch_statistics.draws(e):
+            model.update(e.outvars)
+            continue
+        flags = dependence.eqn_depends(e, reads)
+        model.update(e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f])
+    found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given)
+    for e in _slice(rj.eqns, set(averaged)):
+        if e.primitive.name != "div" or compat.is_literal(e.invars[1]) or e.invars[1] not in model:
+            continue
+        scaling = found.get(e.invars[1])
+        if scaling is None or scaling.unknown or scaling.extreme or not scaling.degree:
+            continue
+        origin = scaling.origin
+        raise ValueError(
+            f"The loss function divides by a sum over the examples of what the model computes or "
+            f"draws (at {compat.source_line(e)}: {str(e).splitlines()[0]!r}; the sum at "
+            f"{compat.source_line(origin)}: {str(origin).splitlines()[0]!r}), such as the count of "
+            "jnp.nanmean over values the model makes NaN or a dice loss's sums over the batch: with "
+            f"num_microbatches={nmb} each microbatch would divide by its own, so neither the loss nor "
+            "its gradients would be the whole batch's. Divide by a count of the batch alone "
+            "(jnp.mean(l, where=m) or sum(l * m) / sum(m), with m from the labels), make the ratio "
+            "per example, or use num_microbatches=1."
         )
 
 

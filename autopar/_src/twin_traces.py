@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from autopar._src import compat, fusion
+from autopar._src import compat, fusion, layers
 from autopar._src.strategies import ELEMENTWISE_PRIMITIVES
 
 
@@ -60,6 +60,21 @@ def _alike(q: Any, r: Any, nmb: int) -> bool:
         if len(x) != len(y) or any(i != j and i * nmb != j for i, j in zip(x, y, strict=True)):
             return False
     return True
+
+
+def feeding_values(jaxpr: Any, roots: Sequence[Any], statistics: Set[Any] = frozenset()) -> set[Any]:
+    """The values of ``jaxpr`` that ``roots`` (some of its values) are made from, but for what
+    only makes ``statistics``, the roots among them."""
+    needed = {v for v in roots if not compat.is_literal(v)} - set(statistics)
+    for e in reversed(jaxpr.eqns):
+        if layers.is_boundary(e):  # an identity per value
+            pairs = zip(e.invars, e.outvars, strict=True)
+            needed.update(
+                a for a, v in pairs if v in needed and not compat.is_literal(a) and a not in statistics
+            )
+        elif any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
+            needed.update(a for a in e.invars if not compat.is_literal(a) and a not in statistics)
+    return needed
 
 
 def feeding_outputs(jaxpr: Any, statistics: Set[Any] = frozenset()) -> set[int]:
