@@ -42,8 +42,16 @@ def _label_noise(x, y, key):
     return x, y + 0.1 * jax.random.normal(key, y.shape)
 
 
+def _mixup_weights(x, y, key):
+    # Mixup's weight per example, a beta draw whose alpha is broadcast to the batch's shape, the
+    # partner made from the example itself (its features reversed).
+    lam = jax.random.beta(key, 0.4, 0.4, (x.shape[0], 1))
+    return lam * x + (1 - lam) * (x[:, ::-1] * 0.5), y
+
+
 DRAWS = {
     "flip": _flip,
+    "mixup-beta": _mixup_weights,
     "per-example-keys": _per_example_keys,
     "diffusion": _diffusion,
     "two-runs": _two_runs,

@@ -139,7 +139,7 @@ def _require_batch_free_once_per_step(
     ]
     feeding = _reading(step, [a for e in (*per_microbatch, eqns[at]) for a in e.invars], figures, False)
     paired = whole_batch.twins(*steps) is not None
-    fills = _microbatch_fills(step, seeds[0])
+    fills = _microbatch_fills(step, seeds[0], drawn)
     filled: set[Any] = set()  # values found to be fills
     for k, eqn in enumerate(mine):
         other = theirs[k] if k < len(theirs) else None
@@ -202,13 +202,15 @@ def _reading(step: trace.TracedStep, ends: Sequence[Any], figures: set[Any], eff
     return found
 
 
-def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
+def _microbatch_fills(step: trace.TracedStep, seeds: set[Any], drawn: Set[int] = frozenset()) -> set[int]:
     """The ``id`` of each equation before the grad region that may make a fill (a broadcast,
     a tile, an elementwise equation: :func:`_fill_of_the_batch` decides) and whose values only
     code run per microbatch reads (before the region, or the region), directly or through other
     such equations: at one microbatch's shape, a fill (``jnp.zeros(x.shape[0])`` as the update of
     ``x.at[:, 0].set(0.0)``) is each microbatch's part of the whole batch's, the same value
-    everywhere."""
+    everywhere. ``drawn``: the indices of the draws made per microbatch as the microbatch's rows
+    of the whole batch's (their parameters broadcast to the batch's shape, a gamma draw's ``alpha``,
+    are such fills)."""
     at = step.region_index()
     eqns = step.jaxpr.eqns
     derived = step.derived(seeds)
@@ -216,6 +218,7 @@ def _microbatch_fills(step: trace.TracedStep, seeds: set[Any]) -> set[int]:
         id(e) for e in eqns[:at] if any(not compat.is_literal(a) and a in derived for a in e.invars)
     }
     per_microbatch.add(id(eqns[at]))
+    per_microbatch.update(id(eqns[i]) for i in drawn)
     readers: dict[Any, list[int]] = {}
     for e in eqns:
         for a in e.invars:
