@@ -358,6 +358,18 @@ def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):
     autopar.autoparallel(step, num_stages=2, num_microbatches=1)(state, batch)  # one: as jit
 
 
+def test_integer_counts_of_the_labels_alone_returned_as_aux_are_the_whole_batchs():
+    """With no other figure of the batch in the loss (a plain mean), integer counts returned as
+    aux are made once per step all the same (before, their whole-batch ops were never run: a
+    driver ``KeyError``)."""
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.1))
+    step = _aux_step(lambda logits, y: {"classes": jnp.bincount(y, length=10), "tokens": jnp.sum(y >= 2)})
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+    out = _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+    assert out[1]["classes"].dtype == jnp.int32
+
+
 def test_counts_of_the_labels_returned_as_aux_are_the_whole_batchs():
     """Sums over the examples of the labels alone (class counts by segment_sum or by a loop over
     the rows) are figures of the batch: each microbatch reads its share, and the aux output

@@ -353,7 +353,7 @@ def build_program(
         group = {i: (level[i], stage_of[i]) for i in at_whole.after}
         for g, ops in whole_batch.input_ops(step, at_whole, group, per_mb, plan.num_stages - 1).items():
             post_groups[g] = ops + post_groups.get(g, [])
-    if stats.values:  # from the batch's microbatches alone, on the first stage that reads them
+    if stats.ops:  # from the batch's microbatches alone, on the first stage that reads them
         readers = [(where[0], e) for where, ops in stage_ops.items() for e in ops]
         readers += [(stage_of[i], eqns[i]) for i in in_forward]
         first = min((st for st, e in readers if any(a in stats.values for a in _eqn_invars(e))), default=0)
