@@ -358,6 +358,32 @@ def test_outputs_averaging_would_change_are_an_error(loss_of, aux_of, message):
     autopar.autoparallel(step, num_stages=2, num_microbatches=1)(state, batch)  # one: as jit
 
 
+@pytest.mark.parametrize("form", ["masked-mean-over-a-learned-scale", "gaussian-nll-learned-variance"])
+def test_a_sum_of_the_batch_alone_times_a_learned_scale_as_divisor_equals_jit(form):
+    """A divisor whose batch-size degree comes from the batch alone (a token count, the batch
+    size) times a value of the model (a learned temperature or variance) divides alike in every
+    microbatch's share: no error (only sums over the examples of the model's values are one)."""
+    rng = np.random.default_rng(0)
+    p = {"w": jnp.asarray(rng.normal(size=(8, 4)) * 0.3, jnp.float32), "t": jnp.asarray(0.3)}
+
+    def step(p, batch):
+        def loss_fn(p):
+            err = jnp.sum((jnp.tanh(batch["x"] @ p["w"]) - 0.5) ** 2, -1)
+            if form == "masked-mean-over-a-learned-scale":
+                m = batch["m"] > 0
+                return jnp.sum(err * m) / (jnp.sum(m) * jnp.exp(p["t"]))
+            return jnp.sum(err) / (2 * batch["x"].shape[0] * jnp.exp(p["t"])) + 0.5 * p["t"]
+
+        loss, grads = autopar.value_and_grad(loss_fn)(p)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss
+
+    batches = [
+        {"x": rng.normal(size=(BATCH, 8)).astype(np.float32), "m": (np.arange(BATCH) % 3).astype(np.int32)}
+        for _ in range(2)
+    ]
+    _assert_outputs_as_jit(step, p, batches, num_stages=1, num_microbatches=4)
+
+
 def test_integer_counts_of_the_labels_alone_returned_as_aux_are_the_whole_batchs():
     """With no other figure of the batch in the loss (a plain mean), integer counts returned as
     aux are made once per step all the same (before, their whole-batch ops were never run: a

@@ -176,7 +176,12 @@ def _require_divisors_of_the_batch(
         scaling = found.get(e.invars[1])
         if scaling is None or scaling.unknown or scaling.extreme or not scaling.degree:
             continue
-        origin = scaling.origin
+        origin, other = scaling.origin, twin.get(id(scaling.origin))
+        if other is None or not any(
+            not compat.is_literal(a) and a in model and twin_traces.per_example_dims(a, b, nmb)
+            for a, b in zip(origin.invars, other.invars, strict=True)
+        ):
+            continue  # a sum of the batch alone (a token count) or a batch size, scaled by the model
         raise ValueError(
             f"The loss function divides by a sum over the examples of what the model computes or "
             f"draws (at {compat.source_line(e)}: {str(e).splitlines()[0]!r}; the sum at "
