@@ -822,6 +822,15 @@ def test_arguments_by_keyword_and_numpy_int_options_are_taken_like_jit():
         got, ref = par(state, **kwargs), jax.jit(keyword_only)(state, **kwargs)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
             np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
+
+    # Negative argnums count from the last positional argument, as jax.jit's do.
+    def with_mode(state, batch, mode, *, scale):
+        new, loss = step(state, batch)
+        return new, loss * scale if mode == "scaled" else loss
+
+    got = autopar.autoparallel(with_mode, static_argnums=-1)(state, batch, "scaled", scale=2.0)
+    ref = jax.jit(with_mode, static_argnums=-1)(state, batch, "scaled", scale=2.0)
+    np.testing.assert_allclose(as_numpy(got[1]), as_numpy(ref[1]), **TOLERANCES["sgd"])
     shardings = par.input_shardings(state, batch=batch, scale=2.0)
     assert len(shardings) == 1 and jax.tree.structure(shardings[0]) == jax.tree.structure(state)
     with pytest.raises(TypeError, match="got an unexpected keyword argument 'labels'"):

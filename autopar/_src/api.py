@@ -274,7 +274,18 @@ class AutoParallel:
         key = (len(bound.args), names)
         inner = self._keywords.get(key)
         if inner is None:
-            inner = AutoParallel(_by_name(self.fn, len(bound.args), names), self.options)
+            n = len(bound.args)  # negative argnums count from the last positional argument
+
+            def absolute(nums: tuple[int, ...]) -> tuple[int, ...]:
+                return tuple(a % n if -n <= a < 0 else a for a in nums)
+
+            options = dataclasses.replace(
+                self.options,
+                batch_argnums=absolute(self.options.batch_argnums),
+                donate_argnums=absolute(self.options.donate_argnums),
+                static_argnums=absolute(self.options.static_argnums),
+            )
+            inner = AutoParallel(_by_name(self.fn, n, names), options)
             inner.by_name = len(names)
             self._keywords[key] = inner
         return inner, (*bound.args, *(bound.kwargs[k] for k in names))
