@@ -41,6 +41,11 @@ LOSSES = {
     "counted in a loop": lambda ce, mask, y: (
         jnp.sum(ce * mask) / jax.lax.fori_loop(0, mask.shape[0], lambda i, c: c + jnp.sum(mask[i]), 0.0)
     ),
+    # Masked means stacked and weighed (per-task losses under uncertainty weighting).
+    "stacked masked means": lambda ce, mask, y: jnp.sum(
+        jnp.stack([jnp.mean(ce, where=mask), jnp.sum(ce * mask * (y % 2)) / jnp.sum(mask)])
+        * jnp.array([0.3, 0.7])
+    ),
     # A chunked loss: a scan over chunks of the tokens adding up the losses and the count.
     "counted in chunks": lambda ce, mask, y: _chunked(ce, mask),
     # A boolean figure: the whole batch's, however few tokens a microbatch holds.

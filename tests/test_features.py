@@ -738,6 +738,13 @@ def test_loops_over_the_rows_that_carry_no_examples_values_into_anothers_equal_j
             ),
             jnp.mean,
         ),
+        (
+            lambda x: x,
+            lambda losses: (
+                losses.mean() + jax.lax.scan(lambda h, v: (jnp.tanh(v + 0.5 * h), None), 0.0, losses)[0]
+            ),
+        ),
+        (lambda x: jax.lax.fori_loop(1, x.shape[0], lambda i, a: a.at[i].set(x[i] + x[i - 1]), x), jnp.mean),
     ],
     ids=[
         "roll",
@@ -757,6 +764,8 @@ def test_loops_over_the_rows_that_carry_no_examples_values_into_anothers_equal_j
         "running-sum-over-rows",
         "conv-over-rows",
         "row-from-the-previous-row",
+        "rnn-final-state",
+        "previous-input-row",
     ],
 )
 def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatches(inputs, reduce):

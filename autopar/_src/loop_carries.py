@@ -6,8 +6,12 @@ microbatches each microbatch's loop starts afresh from the carries' initial valu
 counter, a sum (or max, min) carried to the end alone (a reduction, which the loss's checks
 follow), a buffer written row by row, each row from itself. It is not where a carry made from
 the examples reaches the next iteration's results (a recurrence along time-major data split along
-its time dim, a running sum read per row), or where a buffer's row is made from another of its
-rows (``a.at[i].set(f(a[i - 1]))``): :func:`carries_examples_on` finds those.
+its time dim, a running sum read per row), where one is carried to the end through a nonlinear
+update (an RNN's final state), or where an iteration reads or writes the examples' rows at
+different rows (``a.at[i].set(f(a[i - 1]))``, ``x[i] * x[i - 1]``): :func:`carries_examples_on`
+finds those. Not found: a linear update carried to the end other than a sum (an exponential
+moving average over the rows), rows read through nested ``jit``s
+(``lax.dynamic_index_in_dim``), and ``while`` loops.
 """
 
 from __future__ import annotations
@@ -26,19 +30,24 @@ _TRIES = 3
 def carries_examples_on(e: Any, other: Any, nmb: int, live: Set[Any] | None = None) -> bool:
     """Whether ``e`` is a ``scan`` over the examples (``other``, its twin at the whole batch, runs
     more often) that carries what it made from some examples into what it makes for others (see
-    the module's docstring). ``live``: the values read on the way to the loss function's own
-    outputs, where ``e`` is differentiated (None: all): the stacked results the backward alone
-    reads (a differentiated loop's residuals, such as its carries' values) do not count, nor a
-    loop of the backward (which moves cotangents between carries as the forward moved values)."""
+    the module's docstring), or to its end through a nonlinear update (an RNN's final state; a
+    linear one, as a running mean's, is left to the loss's checks). ``live``: the values read on
+    the way to the loss function's own outputs, where ``e`` is differentiated (None: all): the
+    stacked results the backward alone reads (a differentiated loop's residuals, such as its
+    carries' values) do not count, nor a loop of the backward (which moves cotangents between
+    carries as the forward moved values)."""
     loop, theirs = compat.scan_loop(e), compat.scan_loop(other)
     if loop is None or theirs is None or theirs.length == loop.length:
         return False
     if live is not None and not any(v in live for v in e.outvars):
         return False  # the backward's (it mirrors the forward's loop)
-    per_example = [
-        not compat.is_literal(a) and bool(twin_traces.per_example_dims(a, b, nmb))
+    rows = [
+        set() if compat.is_literal(a) else twin_traces.per_example_dims(a, b, nmb)
         for a, b in zip(e.invars, other.invars, strict=True)
     ]
+    per_example = [bool(d) for d in rows]
+    if _rows_apart(loop, e.invars, dict(zip(loop.body.invars, rows, strict=True))):
+        return True
     seeds = {v for v, f in zip(loop.body.invars, per_example, strict=True) if f}
     while True:  # the carries made from the examples, grown over iterations
         made_from_examples = _reached(loop.body, seeds)
@@ -56,11 +65,10 @@ def carries_examples_on(e: Any, other: Any, nmb: int, live: Set[Any] | None = No
         kind = carry_updates.update(loop.body.outvars[k], carried, links)[0]
         if kind == "same":
             continue
-        rows = twin_traces.per_example_dims(e.outvars[k], other.outvars[k], nmb)
-        if rows:  # a buffer of the examples' rows (or the backward's cotangents of one)
-            if _rows_made_from_others(loop, e.invars, carried, rows):
-                return True
-            continue
+        if twin_traces.per_example_dims(e.outvars[k], other.outvars[k], nmb):
+            continue  # a buffer of the examples' rows: its reads and writes are _rows_apart's
+        if kind == "other" and (live is None or e.outvars[k] in live) and _nonlinear(loop.body, carried):
+            return True  # carried to the end through a nonlinear update: an RNN's final state
         reached = _reached(loop.body, {carried})
         if any(
             r and (j < loop.num_carry or live is None or e.outvars[j] in live)
@@ -68,6 +76,51 @@ def carries_examples_on(e: Any, other: Any, nmb: int, live: Set[Any] | None = No
             if j != k
         ):
             return True
+    return False
+
+
+_LINEAR = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "neg",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "broadcast_in_dim",
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "slice",
+        "concatenate",
+        "reduce_sum",
+        "select_n",
+        "dynamic_slice",
+        "pad",
+    }
+)
+"""Primitives linear in each operand (``select_n`` in its cases)."""
+
+
+def _nonlinear(body: Any, carried: Any) -> bool:
+    """Whether ``body`` makes anything from ``carried`` other than linearly: a ``tanh`` of it,
+    a product of two values made from it. A running mean (``c + (x - c) / (i + 1)``) is linear."""
+    made = {carried}
+    for q in body.eqns:
+        reads = [k for k, a in enumerate(q.invars) if not compat.is_literal(a) and a in made]
+        if not reads:
+            continue
+        name = q.primitive.name
+        linear = (
+            (name in _LINEAR and not (name == "select_n" and 0 in reads))
+            or (name in ("mul", "dot_general") and len(reads) == 1)
+            or (name == "div" and reads == [0])
+        )
+        if not linear:
+            return True
+        made.update(q.outvars)
     return False
 
 
@@ -83,49 +136,54 @@ def _reached(body: Any, seeds: Set[Any]) -> list[bool]:
     return [not compat.is_literal(v) and v in reached for v in body.outvars]
 
 
-def _rows_made_from_others(loop: compat.Loop, operands: Sequence[Any], buffer: Any, rows: set[int]) -> bool:
-    """Whether an iteration of ``loop`` reads a row of ``buffer`` (a carry, ``rows``: its dims per
-    example) other than the one it writes, as far as the loop's counter tells: each slice's start
-    along those dims is computed at the counter's first values and compared with the write's."""
+def _rows_apart(loop: compat.Loop, operands: Sequence[Any], rows: dict[Any, set[int]]) -> bool:
+    """Whether an iteration of ``loop`` reads or writes the examples' arrays (its inputs with
+    dims per example, ``rows``: those dims per body input: the batch's, a buffer carried) at
+    rows other than one another's, as far as the loop's counter tells: each slice's start along
+    those dims is computed at the counter's first values (``x[i] + x[i - 1]``, ``a.at[i].set(f(a[i
+    - 1]))``). Where a start cannot be computed (read from the batch), nothing is found."""
     body = loop.body
+    carries = range(loop.num_consts, loop.num_consts + loop.num_carry)
     counters = [
-        (v, operands[loop.num_consts + k])
-        for k, v in enumerate(body.invars[loop.num_consts : loop.num_consts + loop.num_carry])
-        if compat.is_literal(operands[loop.num_consts + k]) and v.aval.shape == () and _counts(body, v, k)
+        (body.invars[k], operands[k])
+        for k in carries
+        if compat.is_literal(operands[k])
+        and body.invars[k].aval.shape == ()
+        and _counts(body, body.invars[k], k - loop.num_consts)
     ]
     if len(counters) != 1:
         return False
     counter, start = counters[0]
     first = int(compat.literal_value(start))
-    reads, writes = [], []
+    starts = []  # the starts along the dims per example of each slice read or written
     for q in body.eqns:
-        if not q.invars or q.invars[0] is not buffer:
+        dims = rows.get(q.invars[0]) if q.invars and not compat.is_literal(q.invars[0]) else None
+        if not dims:
             continue
         name = q.primitive.name
         if name == "dynamic_slice":
-            reads.append([q.invars[1 + d] for d in sorted(rows)])
+            starts.append([q.invars[1 + d] for d in sorted(dims)])
         elif name == "dynamic_update_slice":
-            writes.append([q.invars[2 + d] for d in sorted(rows)])
+            starts.append([q.invars[2 + d] for d in sorted(dims)])
         elif name == "scatter" and tuple(q.params["dimension_numbers"].scatter_dims_to_operand_dims) == tuple(
-            sorted(rows)
+            sorted(dims)
         ):
-            writes.append([q.invars[1]])
-    if not reads or not writes:
+            starts.append([q.invars[1]])
+    if len(starts) < 2:
         return False
     producer = {v: q for q in body.eqns for v in q.outvars}
     for t in range(first, first + min(_TRIES, loop.length)):
         known: dict[Any, Any] = {counter: np.int32(t)}
-        written = {_flat(_value(a, producer, known)) for w in writes for a in w}
-        read = [_flat(_value(a, producer, known)) for r in reads for a in r]
-        if None in written or len(written) != 1 or None in read:
+        found = {tuple(_flat(_value(a, producer, known)) or () for a in one) for one in starts}
+        if any(not all(one) for one in found):
             return False
-        if any(x != next(iter(written)) for x in read):
+        if len(found) > 1:
             return True
     return False
 
 
 def _counts(body: Any, v: Any, k: int) -> bool:
-    """Whether carry ``k`` (``v`` in ``body``) goes up by one each iteration."""
+    """Whether carry ``k`` of ``body`` (``v`` there) goes up by one each iteration."""
     q = next((q for q in body.eqns if body.outvars[k] in q.outvars), None)
     return (
         q is not None

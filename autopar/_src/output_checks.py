@@ -110,7 +110,11 @@ def require_combinable(
             {v for e in step.jaxpr.eqns[:at] if batch_statistics.draws(e) for v in e.outvars}
         )
         model = [*rj.invars[len(rj.invars) - region.params["info"].num_grads :]]
-        model += [v for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True) if o in drawn]
+        model += [
+            v
+            for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
+            if not compat.is_literal(o) and o in drawn
+        ]
         _require_divisors_of_the_batch(rj, twin, tainted, {**loss, **combined}, nmb, given, model)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them

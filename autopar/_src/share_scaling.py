@@ -48,7 +48,7 @@ _KEEP = _LAYOUT | {
 _PLACING = {"gather": (0,), "dynamic_slice": (0,), "scatter": (0, 2), "dynamic_update_slice": (0, 1)}
 """Primitives that place their data operands' values (by position here) at their other operands
 (indices, starts), keeping their scaling."""
-_SUMMING = frozenset({"add", "sub", "add_any", "concatenate", "pad"})
+_SUMMING = frozenset({"add", "sub", "add_any", "concatenate", "stack", "pad"})
 _ORDERING = frozenset({"max", "min", "clamp"})
 _COMPARING = frozenset({"eq", "ne", "lt", "le", "gt", "ge"})
 _INVARIANT = frozenset({"sign", "argmax", "argmin"})
