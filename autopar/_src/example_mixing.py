@@ -24,9 +24,6 @@ import numpy as np
 from autopar._src import compat, layers, loop_carries, row_loops, twin_traces
 from autopar._src.trace import TracedStep
 
-_STATIC_ELEMENTS = 1 << 20
-"""Indices of at most this many elements made from no input are evaluated to check them."""
-
 _ALONG = {"rev": "dimensions", "sort": "dimension", "cumsum": "axis", "cumprod": "axis"}
 _ALONG.update({"cummax": "axis", "cummin": "axis", "cumlogsumexp": "axis"})
 """Primitives that order or accumulate along the dims a param names."""
@@ -364,25 +361,7 @@ class _Static:
     def value(self, v: Any) -> np.ndarray | None:
         """``v``'s value, or None where it reads an input (or is too large to evaluate)."""
         known: dict[Any, Any] = dict(self.step.const_bindings) if self.step is not None else {}
-        return self._value(v, self._producer, known, depth=0)
-
-    def _value(self, v: Any, producer: dict[int, Any], known: dict[Any, Any], depth: int) -> Any:
-        if compat.is_literal(v):
-            return v.val
-        if v in known:
-            return known[v]
-        e = producer.get(id(v))
-        if e is None or depth > 64 or np.prod(twin_traces.shape_of(v)) > _STATIC_ELEMENTS:
-            return None
-        ins = [self._value(a, producer, known, depth + 1) for a in e.invars]
-        if any(x is None for x in ins):
-            return None
-        try:
-            outs = compat.bind_eqn(e, ins)
-        except Exception:  # noqa: BLE001 - a primitive that cannot run on values here: not known
-            return None
-        known.update(zip(e.outvars, outs, strict=True))
-        return known[v]
+        return twin_traces.static_value(v, self._producer, known)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -171,10 +171,12 @@ def _rows_apart(loop: compat.Loop, operands: Sequence[Any], rows: dict[Any, set[
             starts.append([q.invars[1]])
     if len(starts) < 2:
         return False
-    producer = {v: q for q in body.eqns for v in q.outvars}
+    producer = {id(v): q for q in body.eqns for v in q.outvars}
     for t in range(first, first + min(_TRIES, loop.length)):
         known: dict[Any, Any] = {counter: np.int32(t)}
-        found = {tuple(_flat(_value(a, producer, known)) or () for a in one) for one in starts}
+        found = {
+            tuple(_flat(twin_traces.static_value(a, producer, known)) or () for a in one) for one in starts
+        }
         if any(not all(one) for one in found):
             return False
         if len(found) > 1:
@@ -191,26 +193,6 @@ def _counts(body: Any, v: Any, k: int) -> bool:
         and v in q.invars
         and any(compat.is_literal(a) and int(compat.literal_value(a)) == 1 for a in q.invars)
     )
-
-
-def _value(a: Any, producer: dict[Any, Any], known: dict[Any, Any], depth: int = 0) -> Any:
-    """``a``'s value from literals and ``known`` values, or None."""
-    if compat.is_literal(a):
-        return compat.literal_value(a)
-    if a in known:
-        return known[a]
-    q = producer.get(a)
-    if q is None or depth > 32 or compat.bodies(q):
-        return None
-    ins = [_value(b, producer, known, depth + 1) for b in q.invars]
-    if any(x is None for x in ins):
-        return None
-    try:
-        outs = compat.bind_eqn(q, ins)
-    except Exception:  # noqa: BLE001 - a primitive that cannot run on values here: not known
-        return None
-    known.update(zip(q.outvars, outs, strict=True))
-    return known[a]
 
 
 def _flat(x: Any) -> Any:

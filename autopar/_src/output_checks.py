@@ -104,7 +104,6 @@ def require_combinable(
         # statistic (batch_statistics): a constant to them.
         before = batch_statistics.before_region(step, whole, {step.arg_vars[i] for i in batch_ids}, nmb)
         given = {v: s for v, s in before.given.items() if not s.extreme}
-        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given)
         # The model's values: the differentiated inputs, and what the step draws before the region.
         drawn = step.derived(
             {v for e in step.jaxpr.eqns[:at] if batch_statistics.draws(e) for v in e.outvars}
@@ -115,7 +114,7 @@ def require_combinable(
             for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
             if not compat.is_literal(o) and o in drawn
         ]
-        _require_divisors_of_the_batch(rj, twin, tainted, {**loss, **combined}, nmb, given, model)
+        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given, model)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -150,10 +149,9 @@ def require_combinable(
 def _require_divisors_of_the_batch(
     rj: Any,
     twin: Mapping[int, Any],
-    tainted: set[Any],
+    found: batch_scaling.Found,
     averaged: Mapping[Any, int],
     nmb: int,
-    given: batch_scaling.Found,
     model_inputs: Sequence[Any],
 ) -> None:
     """Checks that the loss and the averaged aux outputs divide by no sum over the examples of
@@ -173,7 +171,6 @@ def _require_divisors_of_the_batch(
             continue
         flags = dependence.eqn_depends(e, reads)
         model.update(e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f])
-    found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given)
     for e in _slice(rj.eqns, set(averaged)):
         if e.primitive.name != "div" or compat.is_literal(e.invars[1]) or e.invars[1] not in model:
             continue
@@ -205,10 +202,13 @@ def _require_means(
     averaged: Mapping[Any, int],
     nmb: int,
     given: batch_scaling.Found,
+    model_inputs: Sequence[Any],
 ) -> set[Any]:
     """Checks that the loss and the averaged aux outputs are means over the examples, which
     averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`; ``given``:
-    the scalings of the region's inputs); returns the float ones found to be."""
+    the scalings of the region's inputs), dividing by no sum over the examples of the model's
+    values (``model_inputs``: the region's inputs that are the model's or drawn); returns the
+    float ones found to be."""
     found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given)
     for rv, i in averaged.items():
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
@@ -258,6 +258,7 @@ def _require_means(
             f"masked mean sum(l * m) / sum(m), which is the whole batch's with microbatches), "
             f"return one value per example, {fix}"
         )
+    _require_divisors_of_the_batch(rj, twin, found, averaged, nmb, model_inputs)
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
 
 

@@ -9,7 +9,7 @@ equations, finds the per-example dims, and follows the batch's integers.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 import jax
@@ -136,6 +136,32 @@ def of_kind(v: Any, *kinds: Any) -> bool:
 
 def whole_number(v: Any) -> bool:
     return of_kind(v, np.integer, np.bool_)
+
+
+STATIC_ELEMENTS = 1 << 20
+"""Values of at most this many elements made from no input are evaluated to check them."""
+
+
+def static_value(v: Any, producer: Mapping[int, Any], known: dict[Any, Any], depth: int = 0) -> Any:
+    """``v``'s value, computed from literals and the ``known`` values (updated with what is
+    computed) by the equations ``producer`` gives (by ``id`` of what they make), or None where it
+    reads anything else (or is too large to evaluate)."""
+    if compat.is_literal(v):
+        return compat.literal_value(v)
+    if v in known:
+        return known[v]
+    e = producer.get(id(v))
+    if e is None or depth > 64 or np.prod(shape_of(v)) > STATIC_ELEMENTS:
+        return None
+    ins = [static_value(a, producer, known, depth + 1) for a in e.invars]
+    if any(x is None for x in ins):
+        return None
+    try:
+        outs = compat.bind_eqn(e, ins)
+    except Exception:  # noqa: BLE001 - a primitive that cannot run on values here: not known
+        return None
+    known.update(zip(e.outvars, outs, strict=True))
+    return known[v]
 
 
 def shape_of(v: Any) -> tuple[int, ...]:
