@@ -339,6 +339,13 @@ REFUSED = {
         lambda ce, mask, y: jax.checkpoint(lambda c, m: jnp.sum(c * m) / jnp.sum(m))(ce, mask),
         "inside a (remat|checkpoint)",
     ),
+    # Class-balanced weights through a square root: each microbatch would read its share's.
+    "inverse square root weights": (
+        lambda ce, mask, y: jnp.mean(
+            ce * mask / jnp.sqrt(jnp.maximum(_class_counts(mask, y), 1.0))[jnp.where(mask, y, 0)]
+        ),
+        "figure of the batch alone .* no whole number .*sum\\(l / n\\[y\\]\\)",
+    ),
     # A running count read inside a scan over chunks: each microbatch's own.
     "running count in chunks": (lambda ce, mask, y: _chunked(ce, mask, running=True), "inside a scan"),
     # A figure made in a loop whose carry neither adds up nor settles: how it scales is unknown.

@@ -152,25 +152,13 @@ def _require_divisors_of_the_batch(
     found: batch_scaling.Found,
     averaged: Mapping[Any, int],
     nmb: int,
-    model_inputs: Sequence[Any],
+    model: Set[Any],
 ) -> None:
     """Checks that the loss and the averaged aux outputs divide by no sum over the examples of
     what the model computes or draws (``jnp.nanmean``'s count of the values that are not NaN, a
     batch dice's sum of the predictions): each microbatch would divide by its own. Sums of the
     batch alone (a masked mean's token count) are made once per step; means (a literal count)
-    divide alike in every microbatch. ``model``: the region's inputs that are the model's or
-    drawn."""
-    model = set(model_inputs)
-    for e in rj.eqns:
-        reads = [not compat.is_literal(a) and a in model for a in e.invars]
-        if layers.is_boundary(e):  # an identity per value
-            model.update(v for v, r in zip(e.outvars, reads, strict=True) if r)
-            continue
-        if e.primitive is layers.cotangent_seed_p or batch_statistics.draws(e):
-            model.update(e.outvars)
-            continue
-        flags = dependence.eqn_depends(e, reads)
-        model.update(e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f])
+    divide alike in every microbatch. ``model``: the values the model computes or draws."""
     for e in _slice(rj.eqns, set(averaged)):
         if e.primitive.name != "div" or compat.is_literal(e.invars[1]) or e.invars[1] not in model:
             continue
@@ -195,6 +183,23 @@ def _require_divisors_of_the_batch(
         )
 
 
+def _model_values(rj: Any, model_inputs: Sequence[Any]) -> set[Any]:
+    """The values of ``rj`` made from ``model_inputs`` (the region's inputs that are the model's
+    or drawn), from draws or from the backward's cotangents."""
+    model = set(model_inputs)
+    for e in rj.eqns:
+        reads = [not compat.is_literal(a) and a in model for a in e.invars]
+        if layers.is_boundary(e):  # an identity per value
+            model.update(v for v, r in zip(e.outvars, reads, strict=True) if r)
+            continue
+        if e.primitive is layers.cotangent_seed_p or batch_statistics.draws(e):
+            model.update(e.outvars)
+            continue
+        flags = dependence.eqn_depends(e, reads)
+        model.update(e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f])
+    return model
+
+
 def _require_means(
     rj: Any,
     twin: Mapping[int, Any],
@@ -210,6 +215,7 @@ def _require_means(
     values (``model_inputs``: the region's inputs that are the model's or drawn); returns the
     float ones found to be."""
     found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given)
+    model = _model_values(rj, model_inputs)
     for rv, i in averaged.items():
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
         if scaling is None or scaling.unknown:
@@ -233,6 +239,17 @@ def _require_means(
                 f"one value per example (concatenated), compute it outside the step, {fix}"
             )
         inner = _scaled_terms(scaling, found)
+        if inner is not None and not any(v in model for v in inner.origin.outvars):
+            made = f"at {compat.source_line(inner.origin)}: {str(inner.origin).splitlines()[0]!r}"
+            raise ValueError(
+                f"{what} ({rv.aval.str_short()}) reduces over the examples ({where}) terms that "
+                f"depend on a figure of the batch alone ({made}) through a power that is no whole "
+                "number or another nonlinear function, such as class-balanced weights 1/sqrt(n) or "
+                f"effective numbers (1 - b) / (1 - b**n) of label counts: with num_microbatches={nmb} "
+                "each microbatch reads its share of the count, so the weights would not be the whole "
+                "batch's. Weigh by the count itself (sum(l / n[y]) / C), pass the weights in the batch "
+                f"(made in the data pipeline), {fix}"
+            )
         if inner is not None:
             made = f"at {compat.source_line(inner.origin)}: {str(inner.origin).splitlines()[0]!r}"
             raise ValueError(
@@ -258,7 +275,7 @@ def _require_means(
             f"masked mean sum(l * m) / sum(m), which is the whole batch's with microbatches), "
             f"return one value per example, {fix}"
         )
-    _require_divisors_of_the_batch(rj, twin, found, averaged, nmb, model_inputs)
+    _require_divisors_of_the_batch(rj, twin, found, averaged, nmb, model)
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
 
 
