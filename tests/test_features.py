@@ -686,11 +686,51 @@ def _rows_rebuilt(kind, x):
         return jax.lax.fori_loop(0, x.shape[0], lambda i, a: a.at[i].set(jnp.sin(x[i])), jnp.zeros_like(x))
     if kind == "fori-in-place":
         return jax.lax.fori_loop(0, x.shape[0], lambda i, a: a.at[i].set(jnp.sin(a[i])), x)
+    if kind == "scan-over-row-numbers":  # each iteration picks its row by number
+        return jax.lax.scan(lambda c, i: (c, jnp.sin(x[i])), 0.0, jnp.arange(x.shape[0]))[1]
     # a scan over the rows with a counter carried alongside
     return jax.lax.scan(lambda c, r: (c + 1, jnp.sin(r)), 0, x)[1]
 
 
-@pytest.mark.parametrize("kind", ["fori-buffer", "fori-in-place", "scan-with-counter"])
+def _over_rows(kind, x):
+    """Loops over the rows whose microbatched runs differ from the whole batch's in ways their
+    form does not show: each is found by running the loop."""
+    if kind == "ema":
+        return jax.lax.scan(lambda c, v: (0.9 * c + 0.1 * v, None), 0.0, x)[0]
+    if kind == "logsumexp":
+
+        def online(carry, v):
+            top, total = carry
+            new = jnp.maximum(top, v)
+            return (new, total * jnp.exp(top - new) + jnp.exp(v - new)), None
+
+        top, total = jax.lax.scan(online, (-jnp.inf, 0.0), x)[0]
+        return top + jnp.log(total)
+    if kind == "key-per-row":
+
+        def noisy(key, row):
+            key, sub = jax.random.split(key)
+            return key, row + 0.1 * jax.random.normal(sub, row.shape)
+
+        return jax.lax.scan(noisy, jax.random.key(0), x)[1]
+    if kind == "position":
+        return jax.lax.fori_loop(0, x.shape[0], lambda i, a: a.at[i].set(a[i] * (1.0 + 0.1 * i)), x)
+    if kind == "while":
+
+        def recur(carry):
+            i, a = carry
+            return i + 1, a.at[i].set(jnp.tanh(a[i] + 0.5 * a[i - 1]))
+
+        return jax.lax.while_loop(lambda carry: carry[0] < x.shape[0], recur, (1, x))[1]
+    previous = jax.jit(lambda a, i: jax.lax.dynamic_index_in_dim(a, i - 1, keepdims=False))
+    return jax.lax.fori_loop(
+        1, x.shape[0], lambda i, a: a.at[i].set(jnp.tanh(a[i] + 0.5 * previous(a, i))), x
+    )
+
+
+@pytest.mark.parametrize(
+    "kind", ["fori-buffer", "fori-in-place", "scan-over-row-numbers", "scan-with-counter"]
+)
 def test_loops_over_the_rows_that_carry_no_examples_values_into_anothers_equal_jit(kind):
     """A loop over the batch's rows inside the loss function whose carries are a counter or a
     buffer of the rows is no recurrence over the examples (those are refused above)."""
@@ -745,6 +785,16 @@ def test_loops_over_the_rows_that_carry_no_examples_values_into_anothers_equal_j
             ),
         ),
         (lambda x: jax.lax.fori_loop(1, x.shape[0], lambda i, a: a.at[i].set(x[i] + x[i - 1]), x), jnp.mean),
+        # found by running the loop once per microbatch: what each iteration depends on besides
+        # its own rows (a key split per row, the counter as a position, a value carried through
+        # a while loop or read through a nested jit), or what is carried to the end and does not
+        # add up over microbatches (an exponential moving average, a running logsumexp)
+        (lambda x: x, lambda losses: losses.mean() + _over_rows("ema", losses)),
+        (lambda x: x, lambda losses: _over_rows("logsumexp", losses)),
+        (lambda x: _over_rows("key-per-row", x), jnp.mean),
+        (lambda x: _over_rows("position", x), jnp.mean),
+        (lambda x: _over_rows("while", x), jnp.mean),
+        (lambda x: _over_rows("nested-jit", x), jnp.mean),
     ],
     ids=[
         "roll",
@@ -766,6 +816,12 @@ def test_loops_over_the_rows_that_carry_no_examples_values_into_anothers_equal_j
         "row-from-the-previous-row",
         "rnn-final-state",
         "previous-input-row",
+        "ema-to-the-end",
+        "running-logsumexp",
+        "key-per-row",
+        "counter-as-position",
+        "while-recurrence",
+        "nested-jit-recurrence",
     ],
 )
 def test_a_loss_function_that_takes_examples_by_place_is_an_error_with_microbatches(inputs, reduce):

@@ -197,7 +197,7 @@ def _through(
         (body, skip), (their_body, _) = mine, their_while
         num_carry = len(e.outvars)
         loop = compat.Loop(body, len(body.invars) - num_carry, num_carry, 0)
-        count = _batch_literals(e.params["cond_jaxpr"], other.params["cond_jaxpr"], nmb) or any(
+        count = batch_literals(e.params["cond_jaxpr"], other.params["cond_jaxpr"], nmb) or any(
             s is not None and s.origin is e for s in ins
         )  # the trip count follows the batch: a batch-size literal in the predicate or the carries
         if count:
@@ -297,7 +297,7 @@ def _over_examples(
     return outs + [_get(found, v) for v in loop.body.outvars[loop.num_carry :]]
 
 
-def _batch_literals(cond: Any, theirs: Any, nmb: int) -> bool:
+def batch_literals(cond: Any, theirs: Any, nmb: int) -> bool:
     """Whether a ``while``'s predicate compares with a batch-size literal (the twins' predicates
     differ in one that is the batch size's multiple)."""
     mine, their = compat.jaxpr_and_consts(cond)[0], compat.jaxpr_and_consts(theirs)[0]

@@ -118,25 +118,14 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     # the statistic, its degree followed across).
     made: set[Any] = set()
 
-    def reads(e: Any, values: set[Any]) -> list[bool]:
-        return [not compat.is_literal(a) and a in values for a in e.invars]
-
     for e, t in zip(rj.eqns, rw.eqns, strict=True):
         twin.update((v, w) for v, w in zip(e.outvars, t.outvars, strict=True) if not compat.is_dropvar(v))
-        if layers.is_boundary(e):  # an identity per value
-            for values in (bound, tainted):
-                values.update(v for v, r in zip(e.outvars, reads(e, values), strict=True) if r)
+        grow(e, bound, drawn=True)
+        grow(e, tainted, drawn=False)
+        if layers.is_boundary(e):
             made.update(v for a, v in zip(e.invars, e.outvars, strict=True) if _integral(a) and a in made)
-            continue
-        made.update(e.outvars)
-        if e.primitive is layers.cotangent_seed_p or draws(e):
-            bound.update(e.outvars)
-            continue
-        for values in (bound, tainted):
-            flags = dependence.eqn_depends(e, reads(e, values))
-            values.update(
-                e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f]
-            )
+        else:
+            made.update(e.outvars)
 
     nested_figures.require_none(rj.eqns, rw.eqns, tainted, bound, nmb)
 
@@ -337,6 +326,19 @@ def _integer_count(v: Any, origin: Any, nmb: int) -> ValueError:
         "where it is made (jnp.bincount(y, length=n).astype(jnp.float32)), or use "
         "num_microbatches=1."
     )
+
+
+def grow(e: Any, values: set[Any], drawn: bool) -> None:
+    """Adds to ``values`` the outputs of ``e`` (a loss function's equation) made from them: a
+    layer boundary's one for one, and, where ``drawn``, all of a random draw's or a cotangent
+    seed's (values the model makes that are no function of the batch's)."""
+    if e.primitive is layers.cotangent_seed_p or (not layers.is_boundary(e) and draws(e)):
+        if drawn:
+            values.update(e.outvars)
+        return
+    reads = [not compat.is_literal(a) and a in values for a in e.invars]
+    flags = reads if layers.is_boundary(e) else dependence.eqn_depends(e, reads)
+    values.update(e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f])
 
 
 def draws(e: Any) -> bool:

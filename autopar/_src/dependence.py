@@ -2,7 +2,8 @@
 rematerialised blocks, ``scan`` loops and ``cond`` branches, output by output.
 
 ``None`` stands for "not known" (a ``while`` loop, a body with constants): callers then treat
-every output as possibly dependent.
+every output as possibly dependent. An equation whose body combines elements (a scatter's
+``update_jaxpr``, a generic ``reduce``'s) makes each output from every operand.
 """
 
 from __future__ import annotations
@@ -54,5 +55,17 @@ def eqn_depends(eqn: Any, flags: Sequence[bool]) -> list[bool] | None:
         if len(known) < len(outs):
             return None
         return [any(o[k] for o in known) for k in range(n)]
+    if _combines(eqn):  # a scatter's update_jaxpr, a reduce's: not a body over the operands
+        return [True] * n
     body = compat.operand_body(eqn)  # a nested jit, a remat, a custom_jvp/vjp primal
     return None if body is None else depends(body, flags)
+
+
+_COMBINING = frozenset({"reduce", "reduce_window", "select_and_scatter", "select_and_scatter_add"})
+
+
+def _combines(eqn: Any) -> bool:
+    """Whether ``eqn``'s body combines its operands' elements (a scatter's, a generic reduce's):
+    each of its outputs reads all of its operands."""
+    name = eqn.primitive.name
+    return name.startswith("scatter") or name in _COMBINING

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import compat, layers, loop_carries, row_loops, twin_traces
+from autopar._src import compat, layers, loop_carries, loop_restarts, row_loops, twin_traces
 from autopar._src.trace import TracedStep
 
 _ALONG = {"rev": "dimensions", "sort": "dimension", "cumsum": "axis", "cumprod": "axis"}
@@ -116,9 +116,18 @@ def _combined_before_the_gradient(found: Any, where: str, nmb: int) -> ValueErro
 def _leading_dim_hint(found: Any) -> str:
     """What to say where ``found`` runs along the batch's leading dim as along time: a
     recurrence (``scan``) or a convolution's window over it, as on time-major data."""
-    if found.primitive.name not in ("scan", "conv_general_dilated"):
+    if found.primitive.name not in ("scan", "while", "conv_general_dilated"):
         return ""
-    return (
+    loop = (
+        " A loop over the examples (its trip count follows the batch) runs once per microbatch, "
+        "from its initial carries: each iteration must depend on its own rows alone (not on "
+        "values or a key carried from earlier rows, nor on the counter but as the rows' index), "
+        "and what it carries to its end must add up over microbatches (a sum, a running mean, "
+        "a max)."
+        if found.primitive.name != "conv_general_dilated"
+        else ""
+    )
+    return loop + (
         " The batch arguments are split along their leading dim, which must be the examples': "
         "for time-major data (nn.RNN(time_major=True), a scan over x of shape (time, batch, ...)) "
         "pass the batch with its examples first and transpose inside the step."
@@ -214,7 +223,8 @@ def _mixing(
     inside a body: all are taken as each example's own). Inside a loop's body (``looped``), what
     picks by an index is checked only for indices read from the batch: a loop over the batch's
     rows picks its row by the loop's counter."""
-    if loop_carries.carries_examples_on(e, other, nmb, live):
+    values = None if indices is None else indices.values()
+    if loop_carries.carries_examples_on(e, other, nmb, live, values):
         return e
     body, twin = compat.operand_body(e), compat.operand_body(other)
     if body is not None and twin is not None:
@@ -379,6 +389,12 @@ class _Indices:
     positions: Set[Any] = frozenset()
     """Integers read from the batch (:func:`~autopar._src.twin_traces.read_from_the_batch`):
     indices among them pick the rows of the whole batch that the data pipeline numbered."""
+
+    def values(self) -> tuple[loop_restarts.Values, loop_restarts.Values] | None:
+        """The static values at one microbatch and at the whole batch, where both are known."""
+        if self.mine is None or self.theirs is None:
+            return None
+        return self.mine.value, self.theirs.value
 
     def into(self, operands: Sequence[Any], body: Any) -> _Indices:
         """What tells the same inside ``body``, given ``operands`` (its inputs' values outside)."""

@@ -21,13 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import carry_updates, compat, dependence, twin_traces
+from autopar._src import carry_updates, compat, dependence, loop_restarts, twin_traces
 
 _TRIES = 3
 """How many of the counter's values a buffer's read and written rows are compared at."""
 
 
-def carries_examples_on(e: Any, other: Any, nmb: int, live: Set[Any] | None = None) -> bool:
+def carries_examples_on(
+    e: Any,
+    other: Any,
+    nmb: int,
+    live: Set[Any] | None = None,
+    values: tuple[loop_restarts.Values, loop_restarts.Values] | None = None,
+) -> bool:
     """Whether ``e`` is a ``scan`` over the examples (``other``, its twin at the whole batch, runs
     more often) that carries what it made from some examples into what it makes for others (see
     the module's docstring), or to its end through a nonlinear update (an RNN's final state; a
@@ -35,12 +41,17 @@ def carries_examples_on(e: Any, other: Any, nmb: int, live: Set[Any] | None = No
     the way to the loss function's own outputs, where ``e`` is differentiated (None: all): the
     stacked results the backward alone reads (a differentiated loop's residuals, such as its
     carries' values) do not count, nor a loop of the backward (which moves cotangents between
-    carries as the forward moved values)."""
+    carries as the forward moved values). What the form does not tell (a ``while`` loop, an
+    exponential moving average, a key split per row) is found by running the loop
+    (:func:`~autopar._src.loop_restarts.restart_differs`; ``values``: its operands' made from no
+    input)."""
+    if live is not None and not any(v in live for v in e.outvars):
+        return False  # the backward's (it mirrors the forward's loop)
+    if loop_restarts.counts_batch(e, other, nmb):
+        return loop_restarts.restart_differs(e, other, nmb, live, values)
     loop, theirs = compat.scan_loop(e), compat.scan_loop(other)
     if loop is None or theirs is None or theirs.length == loop.length:
         return False
-    if live is not None and not any(v in live for v in e.outvars):
-        return False  # the backward's (it mirrors the forward's loop)
     rows = [
         set() if compat.is_literal(a) else twin_traces.per_example_dims(a, b, nmb)
         for a, b in zip(e.invars, other.invars, strict=True)
@@ -76,7 +87,7 @@ def carries_examples_on(e: Any, other: Any, nmb: int, live: Set[Any] | None = No
             if j != k
         ):
             return True
-    return False
+    return loop_restarts.restart_differs(e, other, nmb, live, values)
 
 
 _LINEAR = frozenset(
@@ -126,7 +137,7 @@ def _nonlinear(body: Any, carried: Any) -> bool:
 
 def _reached(body: Any, seeds: Set[Any]) -> list[bool]:
     """For each output of ``body``, whether it is made from one of ``seeds``; an equation whose
-    outputs :mod:`~autopar._src.dependence` cannot tell apart (a scatter's combiner) makes all of
+    outputs :mod:`~autopar._src.dependence` cannot tell apart (a ``while`` loop) makes all of
     them from each operand."""
     reached = set(seeds)
     for q in body.eqns:

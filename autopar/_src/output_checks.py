@@ -188,15 +188,7 @@ def _model_values(rj: Any, model_inputs: Sequence[Any]) -> set[Any]:
     or drawn), from draws or from the backward's cotangents."""
     model = set(model_inputs)
     for e in rj.eqns:
-        reads = [not compat.is_literal(a) and a in model for a in e.invars]
-        if layers.is_boundary(e):  # an identity per value
-            model.update(v for v, r in zip(e.outvars, reads, strict=True) if r)
-            continue
-        if e.primitive is layers.cotangent_seed_p or batch_statistics.draws(e):
-            model.update(e.outvars)
-            continue
-        flags = dependence.eqn_depends(e, reads)
-        model.update(e.outvars if flags is None else [v for v, f in zip(e.outvars, flags, strict=True) if f])
+        batch_statistics.grow(e, model, drawn=True)
     return model
 
 
