@@ -362,6 +362,17 @@ def _split_back(z):
     return z + jnp.concatenate([second, first], axis=1)
 
 
+def _noisy_views_split_back(z):
+    """Two views of the rows with drawn noise (SimCLR's, DINO's crops) run as one batch and split
+    back per view: each microbatch draws its rows of the whole batch's noise."""
+    k1, k2 = jax.random.split(jax.random.key(3))
+    views = jnp.concatenate(
+        [z + 0.1 * jax.random.normal(k1, z.shape), z + 0.1 * jax.random.normal(k2, z.shape)]
+    )
+    first, second = jnp.split(jnp.tanh(views), 2)
+    return z + first * second
+
+
 @pytest.mark.parametrize(
     "on_logits",
     [
@@ -370,6 +381,7 @@ def _split_back(z):
         _runs_by_plain_numbers,
         _tiled_back,
         _split_back,
+        _noisy_views_split_back,
     ],
     ids=[
         "copies-side-by-side",
@@ -377,6 +389,7 @@ def _split_back(z):
         "runs-by-plain-numbers",
         "runs-put-back",
         "runs-split-back",
+        "noisy-views-split-back",
     ],
 )
 def test_rows_laid_out_as_copies_or_runs_and_put_back_equal_jit_with_microbatches(on_logits):

@@ -181,11 +181,19 @@ def _hardest_negative(losses):
     "loss_of,aux_of,message",
     [
         (lambda losses, y: losses.sum(), None, r"The loss .* is a sum over the examples .*divided by 4"),
+        # divided by the batch size of the configuration, a constant: a microbatch holds fewer
+        (
+            lambda losses, y: losses.sum() / BATCH,
+            None,
+            r"The loss .* is a sum over the examples .*x\.shape\[0\], not a constant of the configuration",
+        ),
         (lambda losses, y: 0.01 * jnp.dot(losses, losses), None, r"The loss .* is a sum over the examples"),
         (
             None,
             lambda logits, y: {"correct": jnp.sum(jnp.argmax(logits, -1) == y, dtype=jnp.float32)},
-            r"Aux output 0 .* is a sum over the examples \(at .*test_region_outputs.*reduce_sum",
+            # named by its path in the aux pytree too
+            r"Aux output 0 \(\['correct'\]\) of the loss function .* is a sum over the examples \(at "
+            r".*test_region_outputs.*reduce_sum",
         ),
         (
             None,
@@ -318,6 +326,7 @@ def _hardest_negative(losses):
     ],
     ids=[
         "loss-sum",
+        "loss-sum-over-a-constant",
         "loss-dot",
         "aux-count",
         "aux-max",

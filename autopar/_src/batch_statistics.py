@@ -270,11 +270,8 @@ def unread(step: TracedStep, stats: Statistics) -> set[Any]:
     if not stats.values and not stats.unshared:
         return set()
     replaced = {*stats.values, *stats.unshared}
-    needed = {
-        v
-        for v in rj.outvars
-        if not compat.is_literal(v) and region_outputs.before_boundaries(rj, v) not in replaced
-    }
+    origins = {v: region_outputs.before_boundaries(rj, v) for v in rj.outvars if not compat.is_literal(v)}
+    needed = {v for v, o in origins.items() if compat.is_literal(o) or o not in replaced}
     for e in reversed(rj.eqns):
         if any(v in needed for v in e.outvars if not compat.is_dropvar(v)):
             needed.update(a for a in e.invars if not compat.is_literal(a) and a not in replaced)

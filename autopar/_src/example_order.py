@@ -28,7 +28,7 @@ in one equation): the traces differ there and its rows are not followed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 from autopar._src import compat, layers, order_errors, row_layout, sort_permutations, twin_traces
@@ -305,18 +305,20 @@ class _Walk(sort_permutations.Orders):
         if any(self.of(a) == ROWS for a in operands) and any(a in self.read for a in operands):
             raise order_errors.renumbered(e, self.line(e), self.nmb)
 
-    def refuse_outputs(self, outvars: Sequence[Any], twins: Sequence[Any]) -> None:
+    def refuse_outputs(
+        self, outvars: Sequence[Any], twins: Sequence[Any], name: Callable[[int], str]
+    ) -> None:
         for i, (v, w) in enumerate(zip(outvars, twins, strict=True)):
             if compat.is_literal(v) or not per_example_dims(v, w, self.nmb):
                 continue
             if v in self.positions or self.perm.get(v) is not None or self.of(v) == ROWS:
-                raise order_errors.positions_returned(i - 1)
+                raise order_errors.positions_returned(name(i))
             if self.of(v) in self.flips and self.of(v) not in self.sorts:
-                raise order_errors.positions_returned(i - 1)  # the batch's rows reversed
+                raise order_errors.positions_returned(name(i))  # the batch's rows reversed
             if self.of(v) in self.sorts:
-                raise order_errors.sorted_returned(i - 1, self.sorts[self.of(v)])
+                raise order_errors.sorted_returned(name(i), self.sorts[self.of(v)])
             if self._layout(v)[0] == "tiled":
-                raise order_errors.tiled_returned(i - 1)
+                raise order_errors.tiled_returned(name(i))
 
 
 def _value_operands(e: Any) -> range | tuple[int, ...]:
@@ -344,7 +346,9 @@ def require_batch_order_in_loss(
     """
     walk, (rj, rw), twins = walked(step, whole, nmb)
     walk.run(rj.eqns, twins, twin_traces.feeding_outputs(rj, statistics))
-    walk.refuse_outputs(rj.outvars, rw.outvars)
+    walk.refuse_outputs(
+        rj.outvars, rw.outvars, step.jaxpr.eqns[step.region_index()].params["info"].output_name
+    )
 
 
 def walked(

@@ -21,7 +21,6 @@ from autopar._src import (
     example_mixing,
     example_order,
     output_checks,
-    region_outputs,
     share_scaling,
     trace,
     twin_traces,
@@ -66,7 +65,8 @@ def per_example_outputs(
         return {}, batch_statistics.NONE
     whole = whole_batch()
     region = step.jaxpr.eqns[at]
-    num_aux = region.params["info"].num_aux
+    info = region.params["info"]
+    num_aux = info.num_aux
     whole_outs = whole.jaxpr.eqns[whole.region_index()].outvars
     dims = {}
     for i, (part, full) in enumerate(zip(region.outvars, whole_outs, strict=True)):
@@ -75,7 +75,7 @@ def per_example_outputs(
         grown = [d for d, (a, b) in enumerate(zip(part.aval.shape, full.aval.shape, strict=True)) if a != b]
         if len(grown) != 1 or full.aval.shape[grown[0]] != part.aval.shape[grown[0]] * num_microbatches:
             raise ValueError(
-                f"{region_outputs.named(i, num_aux)} of the loss function is "
+                f"{info.output_name(i)} is "
                 f"{full.aval.str_short()} for the batch but "
                 f"{part.aval.str_short()} for one of num_microbatches={num_microbatches}: neither "
                 "reduced over the batch (averaged over microbatches) nor one value per example along "

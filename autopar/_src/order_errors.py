@@ -93,19 +93,19 @@ def reversed_rows(e: Any, at: str, flip: Any, flipped_at: str, nmb: int) -> Valu
     )
 
 
-def positions_returned(aux: int) -> ValueError:
-    """Aux output ``aux`` holds the rows' positions in their microbatch."""
+def positions_returned(name: str) -> ValueError:
+    """The aux output ``name`` holds the rows' positions in their microbatch."""
     return ValueError(
-        f"Aux output {aux} of the loss function holds the rows' positions in their microbatch "
+        f"{name} holds the rows' positions in their microbatch "
         "(ranks, say): each microbatch numbers only its own rows, so the concatenated values would "
         "not be the whole batch's. Compute them after the step, or use num_microbatches=1."
     )
 
 
-def sorted_returned(aux: int, sort: Sort) -> ValueError:
-    """Aux output ``aux`` holds a value per example in ``sort``'s order."""
+def sorted_returned(name: str, sort: Sort) -> ValueError:
+    """The aux output ``name`` holds a value per example in ``sort``'s order."""
     return ValueError(
-        f"Aux output {aux} of the loss function holds a value per example in the order of a sort "
+        f"{name} holds a value per example in the order of a sort "
         f"(at {sort[1]}: {_first(sort[0])}): with microbatches each sorts only its own examples, so "
         "the concatenated rows would not be the whole batch's. Return them in the batch's order or "
         "use num_microbatches=1."
@@ -170,10 +170,10 @@ def split_examples(e: Any, at: str, nmb: int) -> ValueError:
     )
 
 
-def tiled_returned(aux: int) -> ValueError:
-    """Aux output ``aux`` holds rows laid out as runs of all the examples."""
+def tiled_returned(name: str) -> ValueError:
+    """The aux output ``name`` holds rows laid out as runs of all the examples."""
     return ValueError(
-        f"Aux output {aux} of the loss function holds rows laid out as runs of all the examples one "
+        f"{name} holds rows laid out as runs of all the examples one "
         "after the other (`jnp.concatenate([a, b])`, `jnp.tile`): the microbatches' values "
         "concatenated would not be the whole batch's. Return them with one dim per example, or use "
         "num_microbatches=1."

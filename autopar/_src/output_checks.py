@@ -8,7 +8,7 @@ values scale with the batch.)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,7 @@ def require_combinable(
     at = step.region_index()
     region = step.jaxpr.eqns[at]
     num_aux = region.params["info"].num_aux
+    name = region.params["info"].output_name
     rj = region.params["info"].jaxpr
     outer = step.derived({step.arg_vars[i] for i in batch_ids})
     tainted = {
@@ -53,7 +54,7 @@ def require_combinable(
         a, b = before_boundaries(rj, rj.outvars[i]), before_boundaries(whole_rj, whole_rj.outvars[i])
         if compat.is_literal(a) and compat.is_literal(b) and str(a) != str(b):
             raise ValueError(
-                f"Aux output {i - 1} of the loss function is the constant {_value(a)} for one of "
+                f"{name(i)} is the constant {_value(a)} for one of "
                 f"num_microbatches={nmb} microbatches and {_value(b)} for the batch: it is made from the "
                 "batch's shape (its size, say), and with microbatches it would be one microbatch's. "
                 "Compute it outside the step, or use num_microbatches=1."
@@ -89,7 +90,7 @@ def require_combinable(
             continue
         if not batch_scaling.is_float(rv) and rv in tainted:
             raise ValueError(
-                f"Aux output {i - 1} of the loss function ({rv.aval.str_short()}) is computed from the "
+                f"{name(i)} ({rv.aval.str_short()}) is computed from the "
                 f"examples, but a {rv.aval.dtype} value cannot be averaged over microbatches (with "
                 f"num_microbatches={nmb} it would be one microbatch's). Return it as a float mean, or "
                 "per example (concatenated), or use num_microbatches=1."
@@ -98,7 +99,7 @@ def require_combinable(
     means: set[Any] = set()  # averaged outputs that are means, batch-size literals and all
     if twin:
         loss = {} if compat.is_literal(rj.outvars[0]) else {rj.outvars[0]: 0}
-        _refuse_pairs(rj, twin, {**loss, **combined}, nmb)
+        _refuse_pairs(rj, twin, {**loss, **combined}, nmb, name)
         # How the values the step passes in scale (a token count made before the loss function).
         # One extreme (the batch's maximum) is the whole batch's in every microbatch, as a
         # statistic (batch_statistics): a constant to them.
@@ -114,7 +115,7 @@ def require_combinable(
             for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
             if not compat.is_literal(o) and o in drawn
         ]
-        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given, model)
+        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given, model, name)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -138,7 +139,7 @@ def require_combinable(
             continue
         i = reader
         raise ValueError(
-            f"Aux output {i - 1} of the loss function ({rj.outvars[i].aval.str_short()}) reads the "
+            f"{name(i)} ({rj.outvars[i].aval.str_short()}) reads the "
             f"batch's shape (at {compat.source_line(e)}: {str(e).splitlines()[0]!r} for one of "
             f"num_microbatches={nmb}, {str(other).splitlines()[0]!r} for the batch), e.g. an "
             "examples-seen counter in a module's state; with microbatches it would count one "
@@ -200,6 +201,7 @@ def _require_means(
     nmb: int,
     given: batch_scaling.Found,
     model_inputs: Sequence[Any],
+    name: Callable[[int], str],
 ) -> set[Any]:
     """Checks that the loss and the averaged aux outputs are means over the examples, which
     averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`; ``given``:
@@ -212,7 +214,7 @@ def _require_means(
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
         if scaling is None or scaling.unknown:
             continue
-        what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
+        what = name(i)
         where = f"at {compat.source_line(scaling.origin)}: {str(scaling.origin).splitlines()[0]!r}"
         fix = "or use num_microbatches=1."
         if scaling.extreme and _meets_examples(rj, twin, scaling.origin):
@@ -262,9 +264,11 @@ def _require_means(
         )
         also = ", and so would the gradients" if i == 0 else ""
         raise ValueError(
-            f"{what} ({rv.aval.str_short()}) is {grows}{also}. Divide it by the batch size "
-            f"(jnp.mean rather than jnp.sum) or, for a sum over padded tokens, by their count (the "
-            f"masked mean sum(l * m) / sum(m), which is the whole batch's with microbatches), "
+            f"{what} ({rv.aval.str_short()}) is {grows}{also}. Divide it by the batch size as "
+            "the step sees it (jnp.mean rather than jnp.sum, or x.shape[0], not a constant of the "
+            "configuration: each microbatch holds fewer examples) or, for a sum over padded "
+            "tokens, by their count (the masked mean sum(l * m) / sum(m), which is the whole "
+            "batch's with microbatches), "
             f"return one value per example, {fix}"
         )
     _require_divisors_of_the_batch(rj, twin, found, averaged, nmb, model)
@@ -318,7 +322,9 @@ def _scaled_terms(scaling: batch_scaling.Scaling, found: batch_scaling.Found) ->
     return root
 
 
-def _refuse_pairs(rj: Any, twin: Mapping[int, Any], averaged: Mapping[Any, int], nmb: int) -> None:
+def _refuse_pairs(
+    rj: Any, twin: Mapping[int, Any], averaged: Mapping[Any, int], nmb: int, name: Callable[[int], str]
+) -> None:
     """Raises if the loss or an averaged aux output is made from a float value that pairs the
     examples with each other (``img @ txt.T``, ``x[:, None] - x[None]``: two dims per example,
     where each of the equation's operands has at most one), as a contrastive loss's in-batch
@@ -328,7 +334,7 @@ def _refuse_pairs(rj: Any, twin: Mapping[int, Any], averaged: Mapping[Any, int],
             other = twin.get(id(outer))
             e = None if other is None else _pairing(outer, other, nmb)
             if e is not None:
-                what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
+                what = name(i)
                 raise ValueError(
                     f"{what} ({rv.aval.str_short()}) pairs the examples with each other: at "
                     f"{compat.source_line(e)} ({str(e).splitlines()[0]!r}) every example meets "

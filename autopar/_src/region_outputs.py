@@ -36,15 +36,6 @@ class Joined:
     axis: int
 
 
-def named(index: int, num_aux: int) -> str:
-    """How errors name the grad region's output ``index`` (after the value: aux, then gradients)."""
-    return (
-        f"Aux output {index - 1}"
-        if index <= num_aux
-        else f"The gradient of differentiated leaf {index - 1 - num_aux}"
-    )
-
-
 def joined_outputs(step: TracedStep, per_example: Mapping[int, int], nmb: int) -> dict[Any, Joined]:
     """:class:`Joined` of each per-example output of the grad region (``per_example``: index
     into its outputs -> batch dim). Code after the region that reads one runs at the whole batch

@@ -98,7 +98,7 @@ def require_linear_in_shares(step: TracedStep, stats: Statistics, averaged: Sequ
             hit = e if id(e) in refused else hit
             needed.update(a for a in e.invars if not compat.is_literal(a))
         if hit is not None:
-            what = "The loss" if i == 0 else f"Aux output {i - 1} of the loss function"
+            what = region.params["info"].output_name(i)
             raise ValueError(
                 f"{what} applies {hit.primitive.name} (at {compat.source_line(hit)}) to a value made "
                 "with a figure of the whole batch (a token count, made once per step): each "
@@ -132,7 +132,11 @@ def degrees(eqns: Sequence[Any], given: Mapping[Any, Any]) -> tuple[dict[Any, An
         if not any(a in found and found[a] != ZERO for a in ins):
             continue
         if layers.is_boundary(e):  # an identity per value
-            found.update((v, found[a]) for a, v in zip(e.invars, e.outvars, strict=True) if a in found)
+            found.update(
+                (v, found[a])
+                for a, v in zip(e.invars, e.outvars, strict=True)
+                if not compat.is_literal(a) and a in found
+            )
             continue
         try:
             made = _eqn(e, found)

@@ -346,7 +346,9 @@ class Orders:
             len(ins) == 1 and twin_traces.shape_of(data[0])[min(ins)] == twin_traces.shape_of(outs[0])[d_out]
         ):
             known = [x for x in layouts if x != row_layout.OTHER]  # a draw's fits what it meets
-            layout = next((x for x in known + layouts if x != row_layout.PLAIN), row_layout.PLAIN)
+            layout = next(
+                (x for x in known if x != row_layout.PLAIN), row_layout.PLAIN if known else row_layout.OTHER
+            )
         else:
             layout = row_layout.OTHER
         for v in outs:

@@ -104,6 +104,18 @@ class RegionInfo:
     """Layer counts of the other automatic clusterings, for the stage search to plan with too
     (:func:`autopar._src.clustering.candidate_layer_counts`); empty when the count or cuts were
     given."""
+    aux_paths: tuple[str, ...] = ()
+    """Each aux output leaf's path in the aux pytree (``['QDense_1']['amax']``), for errors."""
+
+    def output_name(self, index: int) -> str:
+        """How errors name the region's output ``index``: the loss, an aux leaf (with its path
+        where the aux is a pytree), a gradient."""
+        if index == 0:
+            return "The loss"
+        if index <= self.num_aux:
+            path = self.aux_paths[index - 1] if index - 1 < len(self.aux_paths) else ""
+            return f"Aux output {index - 1}{f' ({path})' if path else ''} of the loss function"
+        return f"The gradient of differentiated leaf {index - 1 - self.num_aux}"
 
 
 grad_region_p = compat.Primitive("autopar_grad_region")
@@ -197,6 +209,12 @@ def _region_value_and_grad(
         fingerprint=_fingerprint(flat_jaxpr, diff_leaves),
         layer_sources=_layer_sources(flat_jaxpr, cuts),
         other_layer_counts=other_counts,
+        aux_paths=tuple(
+            jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(
+                jax.tree.unflatten(aux_tree, range(aux_tree.num_leaves))
+            )[0]
+        ),
     )
     outs = grad_region_p.bind(*grad_consts, *inputs, *diff_leaves, info=info)
     value = outs[0]
