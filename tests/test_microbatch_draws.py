@@ -250,6 +250,31 @@ def test_two_views_of_a_draw_that_meet_each_other_alone_are_jits_runs():
     )
 
 
+def test_dropout_on_rows_folded_from_channels_meets_the_inputs_statistics_on_a_later_stage():
+    """A channel-independent forecaster (PatchTST's, DLinear's): channels folded into the rows,
+    dropout on them, then de-normalised by each series' statistics of the inputs, which cross
+    the stage boundary beside the dropped values. The boundary passes each value on as it is
+    (before, its values were all laid out as its first one's: keys folded, masks not jit's)."""
+
+    def loss_fn(w, x, key):
+        mean, std = x.mean(1, keepdims=True), x.std(1, keepdims=True)
+        b, steps, channels = x.shape
+        z = x.transpose(0, 2, 1).reshape(b * channels, steps)
+        for i, k in enumerate("abcd"):
+            z = jnp.tanh(z @ w[k])
+            z = z * jax.random.bernoulli(jax.random.fold_in(key, i), 0.5, z.shape) / 0.5
+        y = (z @ w["e"]).reshape(b, channels, -1).transpose(0, 2, 1)
+        return jnp.mean((y * std + mean) ** 2)
+
+    shapes = {"a": (6, 16), "b": (16, 16), "c": (16, 16), "d": (16, 16), "e": (16, 4)}
+    w = {k: jax.random.normal(jax.random.key(i), s) * 0.3 for i, (k, s) in enumerate(shapes.items())}
+    batches = [{"x": 1.0 + 3.0 * jax.random.normal(jax.random.key(10 + i), (BATCH, 6, 8))} for i in range(2)]
+    step = _keyed_sgd_step(loss_fn)
+    assert_same_as_jit(
+        step, (w, jax.random.key(1)), batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=2
+    )
+
+
 class _Block(nn.Module):
     @nn.compact
     def __call__(self, h, _):

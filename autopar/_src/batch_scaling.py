@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 import jax
@@ -55,7 +55,12 @@ Found = dict[Any, Scaling]
 
 
 def scalings(
-    eqns: Sequence[Any], twin: Mapping[int, Any], tainted: set[Any], nmb: int, given: Found | None = None
+    eqns: Sequence[Any],
+    twin: Mapping[int, Any],
+    tainted: set[Any],
+    nmb: int,
+    given: Found | None = None,
+    fixed: Set[Any] = frozenset(),
 ) -> Found:
     """The values of ``eqns`` that are not batch-independent means: their :class:`Scaling`
     (``given``: their inputs', where these are not means either).
@@ -68,9 +73,11 @@ def scalings(
       twin: ``id(eqn)`` -> the same equation at the whole batch (layer boundaries aside).
       tainted: the values computed from the examples.
       nmb: the number of microbatches (the ratio of the traces' batch sizes).
+      fixed: values every microbatch reads whole (figures of the batch alone, made once per
+        step from the whole batch: :mod:`~autopar._src.batch_statistics`): constants to it.
     """
     found: Found = dict(given or {})
-    _walk(eqns, twin, set(tainted), nmb, found, grow=False, iterating=False)
+    _walk(eqns, twin, set(tainted), nmb, found, grow=False, iterating=False, fixed=fixed)
     return found
 
 
@@ -83,6 +90,7 @@ def _walk(
     *,
     grow: bool,
     iterating: bool,
+    fixed: Set[Any] = frozenset(),
 ) -> None:
     """Adds the scalings of ``eqns``' values to ``found`` (which holds their inputs'). ``grow``:
     inside a body, ``tainted`` grows by whatever reads it or changes shape between the traces.
@@ -103,7 +111,12 @@ def _walk(
         outs = _eqn(e, other, tainted, nmb, found, iterating) if other is not None else _untwinned(e, found)
         for v, scaling in zip(e.outvars, outs, strict=True):
             # Predicates (a guard on any(mask)) carry no magnitude.
-            if scaling is not None and not compat.is_dropvar(v) and (is_float(v) or _is_int(v)):
+            if (
+                scaling is not None
+                and not compat.is_dropvar(v)
+                and (is_float(v) or _is_int(v))
+                and v not in fixed
+            ):
                 found[v] = scaling
 
 

@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from autopar._src import compat, row_layout
+from autopar._src import compat, layers, row_layout
 from autopar._src.sort_permutations import ANY
 from autopar._src.twin_traces import per_example_dims, shape_of
 
@@ -155,6 +155,11 @@ class _Follow:
                 if self._has(a):
                     self.seed(v, w, self.runs[a])
             self.run(loss.eqns, lambda x: self.region.twins.get(id(x)) if self.region else None)
+            return
+        if layers.is_boundary(e):  # an identity per value: it meets nothing
+            for a, v, w in zip(e.invars, e.outvars, other.outvars if other else e.outvars, strict=True):
+                if self._has(a) and not compat.is_dropvar(v):
+                    self.seed(v, self.twin[a] if other is None else w, self.runs[a])
             return
         if other is None:
             self._meet(e)

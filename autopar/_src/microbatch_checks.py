@@ -98,7 +98,13 @@ def per_example_outputs(
     share_scaling.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures, drawn)
     output_checks.require_combinable(
-        step, whole, batch_ids, dims, num_microbatches, set(stats.values) | stats.unshared
+        step,
+        whole,
+        batch_ids,
+        dims,
+        num_microbatches,
+        set(stats.values) | stats.unshared,
+        set(stats.values) - set(stats.shares),
     )
     return dims, stats
 

@@ -25,6 +25,7 @@ def require_combinable(
     per_example: Mapping[int, int],
     nmb: int,
     whole_figures: Set[Any] = frozenset(),
+    read_whole: Set[Any] = frozenset(),
 ) -> None:
     """Checks that every aux output reduced over the batch can be combined from microbatches:
     an integer, boolean or key one (the first microbatch's) reads nothing of the examples, and
@@ -32,7 +33,9 @@ def require_combinable(
     the step traced at the whole batch, compared equation by equation (layer boundaries aside).
     ``whole_figures``: statistics of the batch (:mod:`~autopar._src.batch_statistics`): an aux
     output that is one of them is the whole batch's (the inputs' maximum, which every microbatch
-    reads whole, or a token count, returned as made once per step): not checked.
+    reads whole, or a token count, returned as made once per step): not checked. ``read_whole``:
+    those every microbatch reads whole (the inputs' maximum or median, not a count it reads a
+    share of): constants to the means check.
 
     Raises:
       ValueError: naming the aux output and the source line.
@@ -115,7 +118,7 @@ def require_combinable(
             for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
             if not compat.is_literal(o) and o in drawn
         ]
-        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given, model, name)
+        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given, model, name, read_whole)
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -202,13 +205,15 @@ def _require_means(
     given: batch_scaling.Found,
     model_inputs: Sequence[Any],
     name: Callable[[int], str],
+    read_whole: Set[Any] = frozenset(),
 ) -> set[Any]:
     """Checks that the loss and the averaged aux outputs are means over the examples, which
     averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`; ``given``:
     the scalings of the region's inputs), dividing by no sum over the examples of the model's
-    values (``model_inputs``: the region's inputs that are the model's or drawn); returns the
-    float ones found to be."""
-    found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given)
+    values (``model_inputs``: the region's inputs that are the model's or drawn; ``read_whole``:
+    the statistics every microbatch reads whole, constants here); returns the float ones found
+    to be."""
+    found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given, read_whole)
     model = _model_values(rj, model_inputs)
     for rv, i in averaged.items():
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
