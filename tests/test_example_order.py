@@ -373,6 +373,19 @@ def _noisy_views_split_back(z):
     return z + first * second
 
 
+def _sliced_back(z):
+    """Points and points moved off them (IGR's, SAL's) run as one batch and sliced back at the
+    runs' boundary, ``out[:n]`` and ``out[n:]`` (their transposes pad the cotangents back)."""
+    n = z.shape[0]
+    out = jnp.tanh(jnp.concatenate([z, z + 0.1 * jax.random.normal(jax.random.key(5), z.shape)]))
+    return z + out[:n] * out[n:]
+
+
+def _halves_swapped(z):
+    half = z.shape[0] // 2
+    return z + jnp.concatenate([z[half:], z[:half]])
+
+
 @pytest.mark.parametrize(
     "on_logits",
     [
@@ -382,6 +395,7 @@ def _noisy_views_split_back(z):
         _tiled_back,
         _split_back,
         _noisy_views_split_back,
+        _sliced_back,
     ],
     ids=[
         "copies-side-by-side",
@@ -390,6 +404,7 @@ def _noisy_views_split_back(z):
         "runs-put-back",
         "runs-split-back",
         "noisy-views-split-back",
+        "runs-sliced-back",
     ],
 )
 def test_rows_laid_out_as_copies_or_runs_and_put_back_equal_jit_with_microbatches(on_logits):
@@ -411,8 +426,9 @@ def test_rows_laid_out_as_copies_or_runs_and_put_back_equal_jit_with_microbatche
             r"combines rows laid out as runs of all the examples .* with rows laid out otherwise \(at "
             r".*test_example_order.*mul",
         ),
+        (_halves_swapped, r"splits the rows into parts"),
     ],
-    ids=["copies-as-runs", "copies-transposed", "runs-against-copies"],
+    ids=["copies-as-runs", "copies-transposed", "runs-against-copies", "halves-swapped"],
 )
 def test_rows_laid_out_as_runs_against_copies_are_an_error_with_microbatches(on_logits, match):
     """A microbatch's runs of all its rows are not the whole batch's run for run: ``order // 2``

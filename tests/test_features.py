@@ -923,9 +923,11 @@ def test_static_arguments_are_traced_as_python_values_with_a_program_for_each_li
         for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True):
             np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
     assert par.plan("mean", state, batches[0]) is par.plan("mean", state, batches[1])  # one program
-    # Another value is another step: here one whose loss is a sum, which microbatches refuse.
-    with pytest.raises(ValueError, match="The loss .* is a sum over the examples"):
-        par("sum", state, batches[0])
+    # Another value is another step: here one whose loss is a sum, added up over microbatches.
+    summed = par("sum", state, batches[0])
+    assert par.plan("sum", state, batches[0]) is not par.plan("mean", state, batches[0])
+    for a, b in zip(jax.tree.leaves(summed), jax.tree.leaves(ref("sum", state, batches[0])), strict=True):
+        np.testing.assert_allclose(as_numpy(a), as_numpy(b), **TOLERANCES["sgd"])
     one = autopar.autoparallel(step, num_stages=2, static_argnums=(0,), batch_argnums=(2,))
     mine, theirs = one("sum", state, batches[0]), ref("sum", state, batches[0])
     np.testing.assert_allclose(np.asarray(mine[1]), np.asarray(theirs[1]), **TOLERANCES["sgd"])

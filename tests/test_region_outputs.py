@@ -177,20 +177,55 @@ def _hardest_negative(losses):
     return jnp.mean(jax.nn.relu(jnp.diagonal(gaps) - hardest + 1.0))
 
 
+def _summed_like_hugging_face(state, batch):
+    """Hugging Face's Flax seq2seq examples: the loss function returns the sum over the tokens and
+    their count, the step divides the loss and the gradients by the count."""
+
+    def loss_fn(p):
+        logits = state.apply_fn({"params": p}, batch["x"])
+        mask = batch["y"] > 2
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+        return jnp.sum(losses * mask), mask.sum()
+
+    (loss, count), grads = autopar.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=jax.tree.map(lambda g: g / count, grads)), loss / count
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        _loss_step(lambda losses, y: losses.sum()),
+        # divided by the batch size of the configuration, a constant: still a sum
+        _loss_step(lambda losses, y: 0.5 * losses.sum() / BATCH),
+        _loss_step(lambda losses, y: 0.01 * jnp.dot(losses, losses)),
+        _loss_step(lambda losses, y: jnp.sum(losses * (y > 2)) - losses.sum()),
+        _aux_step(lambda logits, y: {"correct": jnp.sum(jnp.argmax(logits, -1) == y, dtype=jnp.float32)}),
+        _summed_like_hugging_face,
+    ],
+    ids=["loss-sum", "loss-sum-over-a-constant", "loss-dot", "sums-subtracted", "aux-count", "hugging-face"],
+)
+def test_losses_and_aux_outputs_that_are_sums_over_the_examples_are_added_up_and_equal_jit(step):
+    """A sum over the examples of terms per example, every term of it, is the sum of the
+    microbatches' sums: added up, not averaged (a summed loss's backward starts from 1 in every
+    microbatch, so the gradients are the whole batch's sums too)."""
+    config = train.tiny_config("mlp")
+    state = train.linen_state("mlp", config, optax.sgd(0.01))
+    batches = [train.make_batch("mlp", config, BATCH, seed=i) for i in range(2)]
+    _assert_outputs_as_jit(step, state, batches, num_stages=2, num_microbatches=4)
+
+
 @pytest.mark.parametrize(
     "loss_of,aux_of,message",
     [
-        (lambda losses, y: losses.sum(), None, r"The loss .* is a sum over the examples .*divided by 4"),
-        # divided by the batch size of the configuration, a constant: a microbatch holds fewer
+        # a sum plus what is no sum: added up, the other term would count once per microbatch
         (
-            lambda losses, y: losses.sum() / BATCH,
+            lambda losses, y: losses.sum() + losses.mean(),
             None,
-            r"The loss .* is a sum over the examples .*x\.shape\[0\], not a constant of the configuration",
+            r"The loss .* is a sum over the examples .*divided by 4.*x\.shape\[0\], not a constant",
         ),
-        (lambda losses, y: 0.01 * jnp.dot(losses, losses), None, r"The loss .* is a sum over the examples"),
         (
             None,
-            lambda logits, y: {"correct": jnp.sum(jnp.argmax(logits, -1) == y, dtype=jnp.float32)},
+            lambda logits, y: {"correct": jnp.sum(jnp.argmax(logits, -1) == y, dtype=jnp.float32) + 1.0},
             # named by its path in the aux pytree too
             r"Aux output 0 \(\['correct'\]\) of the loss function .* is a sum over the examples \(at "
             r".*test_region_outputs.*reduce_sum",
@@ -325,10 +360,8 @@ def _hardest_negative(losses):
         ),
     ],
     ids=[
-        "loss-sum",
-        "loss-sum-over-a-constant",
-        "loss-dot",
-        "aux-count",
+        "loss-sum-plus-a-mean",
+        "aux-count-plus-one",
         "aux-max",
         "loss-per-tensor-scale",
         "aux-first-example",
@@ -775,9 +808,10 @@ def test_a_sum_of_values_made_in_several_tasks_is_split_per_task():
     assert region_outputs.split_sums(ints, [(ints.outvars[0], "n")], apart) == {}
 
 
-def test_a_sum_after_an_einsum_whose_contraction_order_depends_on_the_batch_size_is_an_error():
+def test_a_sum_after_an_einsum_whose_contraction_order_depends_on_the_batch_size_is_added_up():
     """A three-operand einsum contracts in another order at the whole batch: the two traces
-    differ there and are compared around it, so the sum over the examples is still found."""
+    differ there and are compared around it, so the sum over the examples is still found, and
+    added up over the microbatches."""
     config = train.tiny_config("mlp")
     state = train.linen_state("mlp", config, optax.sgd(0.1))
     batch = train.make_batch("mlp", config, BATCH)
@@ -791,6 +825,4 @@ def test_a_sum_after_an_einsum_whose_contraction_order_depends_on_the_batch_size
         loss, grads = autopar.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    with pytest.raises(ValueError, match=r"The loss \(float32\[\]\) is a sum over the examples"):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=4)(state, batch)
-    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=4)

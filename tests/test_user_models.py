@@ -531,10 +531,11 @@ def test_a_loss_rematerialised_as_one_call_is_cut_into_stages_each_rematerialise
     assert region.cuts and len(par.plan(state, batches[0]).stages) == 2
 
 
-def test_a_summed_loss_rematerialised_as_one_call_is_still_refused_with_microbatches():
+def test_a_summed_loss_rematerialised_as_one_call_is_added_up_over_microbatches():
     """The step traced at the whole batch is cut where the plan cuts, so its region (two
     checkpoints, one per stage) is compared with the plan's equation by equation and the sum
-    over the examples is found inside the split call."""
+    over the examples is found inside the split call: added up over the microbatches (plus a
+    constant, refused: it would be added once per microbatch)."""
     net = Tower()
     params = net.init(jax.random.key(0), jnp.zeros((8, 16)))["params"]
 
@@ -547,8 +548,18 @@ def test_a_summed_loss_rematerialised_as_one_call_is_still_refused_with_microbat
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
 
     batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros(8, np.int32)}
+    assert_same_as_jit(step, params, [batch], TOLERANCES["sgd"], num_stages=2, num_microbatches=2)
+
+    def shifted(params, batch):
+        def loss_fn(p):
+            logits = net.apply({"params": p}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).sum() + 1.0
+
+        loss, grads = autopar.value_and_grad(jax.checkpoint(loss_fn))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
     with pytest.raises(ValueError, match=r"The loss \(float32\[\]\) is a sum over the examples"):
-        autopar.autoparallel(step, num_stages=2, num_microbatches=2)(params, batch)
+        autopar.autoparallel(shifted, num_stages=2, num_microbatches=2)(params, batch)
 
 
 # --- FNet

@@ -102,7 +102,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
         early = (
             early_draws.find(step, whole_batch(tuple(plan.cuts)), plan.num_microbatches) if multi else None
         )
-        per_example, stats = microbatch_checks.per_example_outputs(
+        per_example, stats, summed = microbatch_checks.per_example_outputs(
             step,
             functools.partial(whole_batch, tuple(plan.cuts)),
             batch_ids=batch_ids,
@@ -137,6 +137,7 @@ def executable(fn: Callable[..., Any], args: tuple[Any, ...], opts: Options) -> 
             stats,
             draws,
             early,
+            summed,
         )
         # The memory model's parts of each layer (none for a step without autopar's gradient).
         prof = profile.layer_profile(step, tuple(batch_ids)) if step.region_index() is not None else None

@@ -163,7 +163,7 @@ def require_examples_apart_in_loss(
     positions = twin_traces.read_from_the_batch(
         rj.eqns, {v for v in data & set(rj.invars) if twin_traces.whole_number(v)}
     )
-    indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns), positions)
+    indices = _Indices(data, _Static(rj.eqns), _Static(rw.eqns), positions, len(twin) == len(mine))
     twins = dict(zip(rj.invars, rw.invars, strict=True))
     num_aux = step.jaxpr.eqns[step.region_index()].params["info"].num_aux
     live = twin_traces.feeding_values(rj, rj.outvars[: 1 + num_aux], statistics)
@@ -271,7 +271,15 @@ def _mixing(
         kept = all(
             (p["start_indices"][d], p["limit_indices"][d], strides[d]) == (0, full[d], 1) for d in operand
         )
-        return None if kept else e
+        # Inside the loss function, rows sliced back out of runs of all the examples (``out[:n]``
+        # of ``jnp.concatenate([a, b])``): the order walk (example_order) checks where they fall.
+        back = (  # rows along the batch still: a single row picked is refused here
+            within
+            and indices is not None
+            and indices.paired
+            and all(strides[d] == 1 and d in outs[0] for d in operand)
+        )
+        return None if kept or back else e
     if name == "split" and not within:  # ``jnp.split`` of the batch (inside: example_order)
         return e if p["axis"] in operand else None
     if name == "conv_general_dilated":  # a window over neighbouring examples (time-major data)
@@ -299,8 +307,14 @@ def _mixing(
         return None  # by the loop's counter, maybe: but not by indices read from the batch
     if name in ("dynamic_slice", "gather", "pad"):
         full = twin_traces.shape_of(e.invars[0])
-        if name == "pad":
-            whole_dims = [tuple(p["padding_config"][d]) == (0, 0, 0) for d in operand]
+        if name == "pad":  # inside the loss function, unit ones are the order walk's (``_sliced``'s)
+            back = (
+                within
+                and indices is not None
+                and indices.paired
+                and all(p["padding_config"][d][2] == 0 for d in operand)
+            )
+            whole_dims = [back or tuple(p["padding_config"][d]) == (0, 0, 0) for d in operand]
         elif name == "dynamic_slice":
             whole_dims = [p["slice_sizes"][d] == full[d] for d in operand]
         else:  # indices made per example from its values pick its own row (take_along_axis)
@@ -389,6 +403,9 @@ class _Indices:
     positions: Set[Any] = frozenset()
     """Integers read from the batch (:func:`~autopar._src.twin_traces.read_from_the_batch`):
     indices among them pick the rows of the whole batch that the data pipeline numbered."""
+    paired: bool = True
+    """Whether the two traces pair one for one (not around a Python loop over the rows): slices
+    and pads along the batch are then left to the order walk, which knows the rows' runs."""
 
     def values(self) -> tuple[loop_restarts.Values, loop_restarts.Values] | None:
         """The static values at one microbatch and at the whole batch, where both are known."""
@@ -403,7 +420,9 @@ class _Indices:
             for a, v in zip(operands, body.invars, strict=True)
             if not compat.is_literal(a) and a in self.positions
         }
-        return _Indices(frozenset(), None, None, twin_traces.read_from_the_batch(body.eqns, seeds))
+        return _Indices(
+            frozenset(), None, None, twin_traces.read_from_the_batch(body.eqns, seeds), self.paired
+        )
 
 
 def _own_indices(

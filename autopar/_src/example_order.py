@@ -166,7 +166,7 @@ class _Walk(sort_permutations.Orders):
             found = BATCH  # made from no example, but maybe not the same along the batch: positions
         naming = name in _NAMING or (name == "convert_element_type" and integer(e.outvars[0]))
         order = ROWS if found == ROWS and naming else (BATCH if found == ROWS else found)
-        self._lay_out(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked)
+        self._lay_out(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked, other)
         if name.startswith(_DRAWS):  # laid out as the rows it meets (draw_layout.py)
             self.layout.update((v, row_layout.OTHER) for v in e.outvars if not compat.is_dropvar(v))
         perm = self._kept_perm(e, other, ins)

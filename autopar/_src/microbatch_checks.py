@@ -36,12 +36,13 @@ def per_example_outputs(
     batch_ids: Sequence[int],
     num_microbatches: int,
     drawn: Set[int] = frozenset(),
-) -> tuple[dict[int, int], batch_statistics.Statistics]:
+) -> tuple[dict[int, int], batch_statistics.Statistics, frozenset[int]]:
     """The outputs of the step's gradient region that hold a value per example, each with its
     batch dim: aux outputs such as the logits, and the gradients of batch inputs. Microbatches
     concatenate these along it (gradients divided by ``num_microbatches``, as the mean over
     microbatches is). The other outputs are reduced over the batch, and microbatches average
-    them (integers, booleans and keys: the first microbatch's).
+    them (integers, booleans and keys: the first microbatch's), or add them up where they are
+    sums over the examples.
 
     ``step`` is traced at one microbatch; with several, ``whole_batch()`` gives the step traced
     at the whole batch (:func:`~autopar._src.planning.trace_at`, at the same cuts: the regions
@@ -53,7 +54,9 @@ def per_example_outputs(
 
     Returns:
       ``{index into the region's outputs: batch dim}``, and the statistics of the batch that the
-      loss function reads (:func:`~autopar._src.batch_statistics.find`), made once per step.
+      loss function reads (:func:`~autopar._src.batch_statistics.find`), made once per step, and
+      the indices of the outputs that are sums over the examples (the loss among them: its
+      gradients add up over the microbatches as they are).
 
     Raises:
       ValueError: naming a region output whose shape for the batch is not its shape for one
@@ -62,7 +65,7 @@ def per_example_outputs(
     """
     at = step.region_index()
     if num_microbatches == 1 or at is None:
-        return {}, batch_statistics.NONE
+        return {}, batch_statistics.NONE, frozenset()
     whole = whole_batch()
     region = step.jaxpr.eqns[at]
     info = region.params["info"]
@@ -97,7 +100,7 @@ def per_example_outputs(
     averaged = [i for i in range(1 + num_aux) if i not in dims]
     share_scaling.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures, drawn)
-    output_checks.require_combinable(
+    summed = output_checks.require_combinable(
         step,
         whole,
         batch_ids,
@@ -106,7 +109,7 @@ def per_example_outputs(
         set(stats.values) | stats.unshared,
         set(stats.values) - set(stats.shares),
     )
-    return dims, stats
+    return dims, stats, summed
 
 
 def _batch_values(step: trace.TracedStep, batch_ids: Sequence[int], dims: dict[int, int]) -> set[Any]:

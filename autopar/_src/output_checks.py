@@ -26,7 +26,7 @@ def require_combinable(
     nmb: int,
     whole_figures: Set[Any] = frozenset(),
     read_whole: Set[Any] = frozenset(),
-) -> None:
+) -> frozenset[int]:
     """Checks that every aux output reduced over the batch can be combined from microbatches:
     an integer, boolean or key one (the first microbatch's) reads nothing of the examples, and
     none reads the batch's shape (an examples-seen counter in a module's state). ``whole`` is
@@ -36,6 +36,9 @@ def require_combinable(
     reads whole, or a token count, returned as made once per step): not checked. ``read_whole``:
     those every microbatch reads whole (the inputs' maximum or median, not a count it reads a
     share of): constants to the means check.
+
+    Returns the indices among the region's outputs of those that are sums over the examples
+    (``losses.sum()``), which the microbatches' values add up to: summed, not averaged.
 
     Raises:
       ValueError: naming the aux output and the source line.
@@ -100,6 +103,7 @@ def require_combinable(
             )
         combined.setdefault(rv, i)
     means: set[Any] = set()  # averaged outputs that are means, batch-size literals and all
+    summed: set[Any] = set()  # outputs that are sums over the examples: added up
     if twin:
         loss = {} if compat.is_literal(rj.outvars[0]) else {rj.outvars[0]: 0}
         _refuse_pairs(rj, twin, {**loss, **combined}, nmb, name)
@@ -118,7 +122,9 @@ def require_combinable(
             for v, o in zip([*rj.constvars, *rj.invars], region.invars, strict=True)
             if not compat.is_literal(o) and o in drawn
         ]
-        means = _require_means(rj, twin, tainted, {**loss, **combined}, nmb, given, model, name, read_whole)
+        means, summed = _require_means(
+            rj, twin, tainted, {**loss, **combined}, nmb, given, model, name, read_whole
+        )
     touched = tainted | unsure
     for e in _slice(rj.eqns, set(combined)):  # one pass for all of them
         other = twin.get(id(e))
@@ -148,6 +154,9 @@ def require_combinable(
             "examples-seen counter in a module's state; with microbatches it would count one "
             "microbatch. Pass the count to the step as an argument, or use num_microbatches=1."
         )
+    return frozenset(
+        i for i in range(1 + num_aux) if not compat.is_literal(rj.outvars[i]) and rj.outvars[i] in summed
+    )
 
 
 def _require_divisors_of_the_batch(
@@ -206,15 +215,17 @@ def _require_means(
     model_inputs: Sequence[Any],
     name: Callable[[int], str],
     read_whole: Set[Any] = frozenset(),
-) -> set[Any]:
+) -> tuple[set[Any], set[Any]]:
     """Checks that the loss and the averaged aux outputs are means over the examples, which
     averaging over microbatches gives exactly (see :mod:`~autopar._src.batch_scaling`; ``given``:
     the scalings of the region's inputs), dividing by no sum over the examples of the model's
     values (``model_inputs``: the region's inputs that are the model's or drawn; ``read_whole``:
     the statistics every microbatch reads whole, constants here); returns the float ones found
-    to be."""
+    to be, and those that are sums over the examples of terms per example (:func:`_summed`)."""
     found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given, read_whole)
     model = _model_values(rj, model_inputs)
+    producer = {v: e for e in rj.eqns for v in e.outvars}
+    summed: set[Any] = set()
     for rv, i in averaged.items():
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
         if scaling is None or scaling.unknown:
@@ -260,6 +271,9 @@ def _require_means(
                 "the whole batch's. Make it per example (jax.vmap the computation over the "
                 f"examples), {fix}"
             )
+        if scaling.degree == 1 and _summed(rv, producer, found, tainted):
+            summed.add(rv)
+            continue
         grows = (
             f"a sum over the examples ({where}): averaged over num_microbatches={nmb} microbatches "
             f"it would come back divided by {nmb}"
@@ -277,7 +291,42 @@ def _require_means(
             f"return one value per example, {fix}"
         )
     _require_divisors_of_the_batch(rj, twin, found, averaged, nmb, model)
-    return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}
+    return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}, summed
+
+
+_SAME = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"})
+
+
+def _summed(v: Any, producer: Mapping[Any, Any], found: batch_scaling.Found, tainted: Set[Any]) -> bool:
+    """Whether ``v`` is a sum over the examples of terms per example, every term of it (sums
+    of such sums, times or divided by what no example makes: ``0.5 * losses.sum() / C``), so
+    that the microbatches' values add up to the whole batch's. A term added that is no such sum
+    (a regulariser, a mean) would be added once per microbatch: not summed."""
+    scaling = None if compat.is_literal(v) else found.get(v)
+    if scaling is None or scaling.degree != 1 or scaling.extreme or scaling.unknown or v not in producer:
+        return False  # each part a sum of degree 1 (not a mean: a sum divided by the batch size)
+    e = producer[v]
+    name = e.primitive.name
+
+    def free(a: Any) -> bool:  # made from no example and scaled by nothing of the batch
+        return compat.is_literal(a) or (a not in tainted and a not in found)
+
+    if layers.is_boundary(e):
+        return _summed(e.invars[e.outvars.index(v)], producer, found, tainted)
+    if name in _SAME:
+        return _summed(e.invars[0], producer, found, tainted)
+    if name in ("add", "sub", "add_any"):
+        return all(_summed(a, producer, found, tainted) for a in e.invars)
+    if name == "mul":
+        a, b = e.invars
+        return (_summed(a, producer, found, tainted) and free(b)) or (
+            _summed(b, producer, found, tainted) and free(a)
+        )
+    if name == "div":
+        return _summed(e.invars[0], producer, found, tainted) and free(e.invars[1])
+    return name in ("reduce_sum", "dot_general") and all(
+        compat.is_literal(a) or a not in found for a in e.invars
+    )
 
 
 def _meets_examples(rj: Any, twin: Mapping[int, Any], origin: Any) -> bool:

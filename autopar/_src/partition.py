@@ -107,6 +107,7 @@ def build_program(
     stats: batch_statistics.Statistics = batch_statistics.NONE,
     draws: microbatch_draws.Draws | None = None,
     early: microbatch_draws.Draws | None = None,
+    summed: frozenset[int] = frozenset(),
 ) -> Program:
     """Partitions a traced step according to ``plan``.
 
@@ -124,7 +125,9 @@ def build_program(
     out (a program whose pipeline tasks alone are timed). ``stats`` are the loss function's
     statistics of the batch (:func:`autopar._src.batch_statistics.find`, from
     :func:`~autopar._src.microbatch_checks.per_example_outputs`): made once per step from the whole batch,
-    every microbatch reads its share of them in place of its own.
+    every microbatch reads its share of them in place of its own. ``summed``: the region outputs
+    (by index) that are sums over the examples, whose microbatches' values are added up; where
+    the loss is one, each microbatch's backward starts from 1, not ``1 / num_microbatches``.
 
     Raises:
       ValueError: if code outside the region that needs the whole batch differs between the
@@ -164,7 +167,7 @@ def build_program(
     stage_ops: dict[tuple[int, str], list[Any]] = {}  # (stage, pass) -> the region's equations
     # (stage, pass) -> (the region values it adds up, region output or part) to accumulate
     acc_specs: dict[tuple[int, str], list[tuple[tuple[Any, ...], Any]]] = {}
-    gradients: set[Any] = set()  # accumulated sums that are the gradients themselves
+    gradients: set[Any] = set()  # accumulated sums that are their value: gradients, summed outputs
     splits: dict[Any, region_outputs.SplitSum] = {}  # region outputs added up once per step
     made_in: dict[Any, tuple[int, str]] = {}  # region values: the (stage, pass) that makes them
     producer_stage: dict[Any, int] = {}
@@ -199,7 +202,9 @@ def build_program(
             if draws is not None and nmb > 1 and at in draws.top:  # reads the microbatch's index
                 eqn = microbatch_draws.with_index(eqn, at, draws)
                 index_stages.add(where[0])
-            stage_ops.setdefault(where, []).append(layers.with_seed_scale(eqn, 1.0 / nmb))
+            stage_ops.setdefault(where, []).append(
+                layers.with_seed_scale(eqn, 1.0 if 0 in summed else 1.0 / nmb)
+            )
             for v in _eqn_outvars(eqn):
                 made_in[v] = where
             for a in _eqn_invars(eqn):
@@ -232,12 +237,12 @@ def build_program(
                 producer_stage[ov] = plan.num_stages - 1
                 continue
             where = made_in.get(rv, last_fwd) if _is_var(rv) else last_fwd
-            if i > info.num_aux:
+            if i > info.num_aux or i in summed:
                 gradients.add(ov)
             if ov in splits:  # each part summed where it is made, added once per step
                 for values, acc in splits[ov].parts:
                     acc_specs.setdefault(made_in[values[0]], []).append((values, acc))
-                    if i > info.num_aux:
+                    if i > info.num_aux or i in summed:
                         gradients.add(acc)
                 producer_stage[ov] = where[0]
                 continue

@@ -315,7 +315,7 @@ class Orders:
         sort = next(self.sorts[o] for o in (perm.dst, perm.src) if o in self.sorts)
         return order_errors.misplaced(e, self.line(e), sort)
 
-    def _lay_out(self, e: Any, operands: Sequence[Any], checked: bool) -> None:
+    def _lay_out(self, e: Any, operands: Sequence[Any], checked: bool, other: Any = None) -> None:
         """Lays out the rows of ``e``'s results from its per-example ``operands``' (a reshape
         regroups them, a concatenation along the batch runs them one after the other); raises
         where two of them are laid out otherwise (tiled rows against copies)."""
@@ -337,6 +337,11 @@ class Orders:
             layout = row_layout.concatenated([self._layout(a) for a in e.invars], rows)
         elif name == "split" and ins == {e.params["axis"]}:
             layout = _split(layouts[0], e.params["sizes"])
+            if layout == row_layout.OTHER and checked:
+                raise order_errors.split_examples(e, self.line(e), self.nmb)
+        elif name in ("slice", "pad") and len(ins) == 1 and other is not None:
+            sliced = _sliced if name == "slice" else _padded
+            layout = sliced(layouts[0], e, other, min(ins), self.nmb)
             if layout == row_layout.OTHER and checked:
                 raise order_errors.split_examples(e, self.line(e), self.nmb)
         elif name == "tile" and len(ins) == 1:
@@ -396,6 +401,46 @@ def floating(v: Any) -> bool:
 
 def integer(v: Any) -> bool:
     return twin_traces.of_kind(v, np.integer)
+
+
+def _sliced(layout: row_layout.Layout, e: Any, other: Any, d: int, nmb: int) -> row_layout.Layout:
+    """The layout of ``e``, a slice along the per-example dim ``d`` (``other``: its twin at the
+    whole batch), of rows laid out as ``layout``: whole runs of all the examples, the same ones
+    in both traces (``out[:n]`` of ``jnp.concatenate([a, b])`` with ``n = len(a)``), are runs of
+    them; any other rows are not each microbatch's part of the whole batch's."""
+    kind, k = layout
+    strides = e.params["strides"]
+    rows = twin_traces.shape_of(e.invars[0])[d]
+    start, limit = e.params["start_indices"][d], e.params["limit_indices"][d]
+    if (start, limit) == (0, rows) and (strides is None or strides[d] == 1):
+        return layout  # sliced along other dims only
+    if kind != "tiled" or (strides is not None and strides[d] != 1):
+        return row_layout.OTHER
+    run, whole_run = rows // k, rows * nmb // k
+    whole = (other.params["start_indices"][d], other.params["limit_indices"][d])
+    if start % run or limit % run or whole != (start // run * whole_run, limit // run * whole_run):
+        return row_layout.OTHER
+    return row_layout.tiled((limit - start) // run)
+
+
+def _padded(layout: row_layout.Layout, e: Any, other: Any, d: int, nmb: int) -> row_layout.Layout:
+    """The layout of ``e``, a pad along the per-example dim ``d`` (``other``: its twin at the
+    whole batch) of rows laid out as ``layout`` (a slice's transpose): whole runs of zeros
+    before and after runs of all the examples, the same in both traces, make more runs."""
+    kind, k = layout
+    low, high, interior = e.params["padding_config"][d]
+    if (low, high, interior) == (0, 0, 0):
+        return layout  # padded along other dims only
+    if kind != "tiled" and layout != row_layout.PLAIN:
+        return row_layout.OTHER
+    rows = twin_traces.shape_of(e.invars[0])[d]
+    run, whole_run = rows // k, rows * nmb // k
+    whole = tuple(other.params["padding_config"][d])
+    if interior or low < 0 or high < 0 or low % run or high % run:
+        return row_layout.OTHER
+    if whole != (low // run * whole_run, high // run * whole_run, 0):
+        return row_layout.OTHER
+    return row_layout.tiled(k + (low + high) // run)
 
 
 def _split(layout: row_layout.Layout, sizes: Sequence[int]) -> row_layout.Layout:
