@@ -339,7 +339,7 @@ class Orders:
             layout = _split(layouts[0], e.params["sizes"])
             if layout == row_layout.OTHER and checked:
                 raise order_errors.split_examples(e, self.line(e), self.nmb)
-        elif name in ("slice", "pad") and len(ins) == 1 and other is not None:
+        elif name in ("slice", "pad") and len(ins) == 1 and other is not None and _cut(e, min(ins)):
             sliced = _sliced if name == "slice" else _padded
             layout = sliced(layouts[0], e, other, min(ins), self.nmb)
             if layout == row_layout.OTHER and checked:
@@ -403,6 +403,15 @@ def integer(v: Any) -> bool:
     return twin_traces.of_kind(v, np.integer)
 
 
+def _cut(e: Any, d: int) -> bool:
+    """Whether ``e``, a slice or a pad, cuts or pads its operand along dim ``d``."""
+    if e.primitive.name == "pad":
+        return tuple(e.params["padding_config"][d]) != (0, 0, 0)
+    strides = e.params["strides"]
+    whole = (0, twin_traces.shape_of(e.invars[0])[d], 1)
+    return (e.params["start_indices"][d], e.params["limit_indices"][d], strides[d] if strides else 1) != whole
+
+
 def _sliced(layout: row_layout.Layout, e: Any, other: Any, d: int, nmb: int) -> row_layout.Layout:
     """The layout of ``e``, a slice along the per-example dim ``d`` (``other``: its twin at the
     whole batch), of rows laid out as ``layout``: whole runs of all the examples, the same ones
@@ -412,8 +421,6 @@ def _sliced(layout: row_layout.Layout, e: Any, other: Any, d: int, nmb: int) -> 
     strides = e.params["strides"]
     rows = twin_traces.shape_of(e.invars[0])[d]
     start, limit = e.params["start_indices"][d], e.params["limit_indices"][d]
-    if (start, limit) == (0, rows) and (strides is None or strides[d] == 1):
-        return layout  # sliced along other dims only
     if kind != "tiled" or (strides is not None and strides[d] != 1):
         return row_layout.OTHER
     run, whole_run = rows // k, rows * nmb // k
@@ -429,8 +436,6 @@ def _padded(layout: row_layout.Layout, e: Any, other: Any, d: int, nmb: int) -> 
     before and after runs of all the examples, the same in both traces, make more runs."""
     kind, k = layout
     low, high, interior = e.params["padding_config"][d]
-    if (low, high, interior) == (0, 0, 0):
-        return layout  # padded along other dims only
     if kind != "tiled" and layout != row_layout.PLAIN:
         return row_layout.OTHER
     rows = twin_traces.shape_of(e.invars[0])[d]
