@@ -13,11 +13,12 @@ recurrence hidden in a ``while`` loop or behind nested ``jit``s, a running logsu
 Operands made from no input (an iota of the rows' numbers, a literal) take their values in each
 trace; the rest are drawn at random, the examples' rows (one dim per example) split between the
 microbatches. A loop that cannot be run so (no such dim, a key of a kind not drawn here, effects,
-a failure) is left to the form checks.
+operands too large to make up, a failure) is left to the form checks.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Set
 from typing import Any
 
@@ -31,6 +32,9 @@ Values = Callable[[Any], Any]
 """A variable's value where it is made from no input, else None."""
 
 _RTOL = 1e-4
+_ELEMENTS = 1 << 22
+"""Loops whose operands at the whole batch hold more elements than this are not run (a chunked
+loss over a large vocabulary): they are left to the form checks."""
 
 
 def restart_differs(
@@ -46,6 +50,8 @@ def restart_differs(
     max or min. ``live``: the results that count (None: all). ``values``: the static values of
     ``e``'s and ``other``'s operands (see the module's docstring)."""
     if getattr(e, "effects", None):
+        return False
+    if sum(math.prod(twin_traces.shape_of(b)) for b in other.invars) > _ELEMENTS:
         return False
     operands = _operands(e, other, nmb, values)
     if operands is None:
