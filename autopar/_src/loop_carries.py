@@ -9,9 +9,9 @@ the examples reaches the next iteration's results (a recurrence along time-major
 its time dim, a running sum read per row), where one is carried to the end through a nonlinear
 update (an RNN's final state), or where an iteration reads or writes the examples' rows at
 different rows (``a.at[i].set(f(a[i - 1]))``, ``x[i] * x[i - 1]``): :func:`carries_examples_on`
-finds those. Not found: a linear update carried to the end other than a sum (an exponential
-moving average over the rows), rows read through nested ``jit``s
-(``lax.dynamic_index_in_dim``), and ``while`` loops.
+finds those by the loop's form. What the form does not show (a linear update carried to the end
+other than a sum, as an exponential moving average's, rows read through nested ``jit``s, a key
+split per row, ``while`` loops) is found by running the loop (:mod:`~autopar._src.loop_restarts`).
 """
 
 from __future__ import annotations
