@@ -201,8 +201,36 @@ def _summed_like_hugging_face(state, batch):
         _loss_step(lambda losses, y: jnp.sum(losses * (y > 2)) - losses.sum()),
         _aux_step(lambda logits, y: {"correct": jnp.sum(jnp.argmax(logits, -1) == y, dtype=jnp.float32)}),
         _summed_like_hugging_face,
+        # Sums made inside bodies: a custom_jvp, loops over chunks or rows from zero, a layer stack.
+        _loss_step(lambda losses, y: _custom_sum(losses)),
+        _loss_step(lambda losses, y: _chunk_sum(losses)),
+        _loss_step(lambda losses, y: _row_sum(losses)),
+        _loss_step(_stacked(jnp.sum)),
+        _aux_step(
+            lambda logits, y: {"correct": _while_sum((jnp.argmax(logits, -1) == y).astype(jnp.float32))}
+        ),
+        _loss_step(lambda losses, y: -jax.lax.fori_loop(0, y.shape[0], lambda i, c: c - losses[i], 0.0)),
+        _loss_step(
+            lambda losses, y: jax.lax.fori_loop(
+                0, y.shape[0], lambda i, c: jnp.where(y[i] > 2, c + losses[i], c), 0.0
+            )
+        ),
     ],
-    ids=["loss-sum", "loss-sum-over-a-constant", "loss-dot", "sums-subtracted", "aux-count", "hugging-face"],
+    ids=[
+        "loss-sum",
+        "loss-sum-over-a-constant",
+        "loss-dot",
+        "sums-subtracted",
+        "aux-count",
+        "hugging-face",
+        "custom-jvp",
+        "chunks",
+        "rows",
+        "stack",
+        "aux-while",
+        "rows-sub",
+        "rows-where",
+    ],
 )
 def test_losses_and_aux_outputs_that_are_sums_over_the_examples_are_added_up_and_equal_jit(step):
     """A sum over the examples of terms per example, every term of it, is the sum of the
@@ -246,40 +274,22 @@ def test_losses_and_aux_outputs_that_are_sums_over_the_examples_are_added_up_and
             lambda logits, y: {"first": logits[0, 0]},
             r"takes examples by their place in the batch \(at .*test_region_outputs.*slice",
         ),
-        # Sums made inside bodies: a custom_jvp, loops over chunks or rows, a layer stack.
+        # Sums made inside bodies that are not sums of terms per example only: a loop's running
+        # sum from another start, a layer stack's that adds more than sums, a segment sum.
         (
-            lambda losses, y: _custom_sum(losses),
+            lambda losses, y: jax.lax.fori_loop(0, y.shape[0], lambda i, c: c + losses[i], 1.0),
             None,
-            r"The loss .* is a sum over the examples \(at .*test_region_outputs.*reduce_sum",
+            r"takes examples by their place .*runs once per microbatch, from its initial carries",
         ),
         (
-            lambda losses, y: _chunk_sum(losses),
+            _stacked(lambda v: v.sum() + 1.0),
             None,
-            r"The loss .* is a sum over the examples \(at .*_chunk_sum",
-        ),
-        (lambda losses, y: _row_sum(losses), None, r"The loss .* is a sum over the examples \(at .*_row_sum"),
-        (_stacked(jnp.sum), None, r"The loss .* is a sum over the examples \(at .*reduce_sum"),
-        (
-            None,
-            lambda logits, y: {"correct": _while_sum((jnp.argmax(logits, -1) == y).astype(jnp.float32))},
-            r"Aux output 0 .* is a sum over the examples \(at .*_while_sum",
+            r"The loss .* is a sum over the examples \(at .*reduce_sum",
         ),
         (
             None,
             lambda logits, y: {"per_class": jax.ops.segment_sum(logits[:, 0], y, num_segments=10)},
             r"Aux output 0 .* is a sum over the examples \(at .*scatter-add",
-        ),
-        (
-            lambda losses, y: jax.lax.fori_loop(0, y.shape[0], lambda i, c: c - losses[i], 0.0),
-            None,
-            "is a sum",
-        ),
-        (
-            lambda losses, y: jax.lax.fori_loop(
-                0, y.shape[0], lambda i, c: jnp.where(y[i] >= 0, c + losses[i], c), 0.0
-            ),
-            None,
-            r"The loss .* is a sum over the examples",
         ),
         (
             None,
@@ -365,14 +375,9 @@ def test_losses_and_aux_outputs_that_are_sums_over_the_examples_are_added_up_and
         "aux-max",
         "loss-per-tensor-scale",
         "aux-first-example",
-        "custom-jvp",
-        "chunks",
-        "rows",
-        "stack",
-        "aux-while",
+        "rows-from-one",
+        "stack-plus-one",
         "aux-segment-sum",
-        "rows-sub",
-        "rows-where",
         "aux-rows-scatter",
         "aux-batch-size",
         "aux-lax-reduce-max",

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from autopar._src import carry_updates, compat, layers
+from autopar._src import carry_updates, compat, layers, sums_over_examples
 
 _SUMS = frozenset({"reduce_sum", "dot_general", "scatter-add"})
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
@@ -49,6 +49,11 @@ class Scaling:
     unknown: bool = False
     """Reduced over the examples where the check does not follow (a loop whose carries neither
     add up nor settle): neither it nor what is made from it is checked."""
+    sum: bool = False
+    """A sum over the examples of terms per example, every term of it (``losses.sum()``, sums
+    of such sums, a loop's running sum from zero, any of them times or divided by what no
+    example makes: ``0.5 * losses.sum() / C``): the microbatches' values add up to the whole
+    batch's. A term added that is no such sum (a regulariser, a mean) is not."""
 
 
 Found = dict[Any, Scaling]
@@ -125,7 +130,7 @@ def _untwinned(e: Any, found: Found) -> list[Scaling | None]:
     another order there): its operands' as an elementwise equation's, the unknown one first."""
     ins = [found[a] for a in e.invars if not compat.is_literal(a) and a in found]
     scaling = next((s for s in ins if s.unknown), None) or max(ins, key=lambda s: s.degree, default=None)
-    return [scaling] * len(e.outvars)
+    return [None if scaling is None else dataclasses.replace(scaling, sum=False)] * len(e.outvars)
 
 
 def _eqn(
@@ -151,7 +156,8 @@ def _eqn(
         if name in _SUMS:
             summed = [ins[0], ins[2]] if name == "scatter-add" else ins  # not the indices
             degree = 1 + sum(s.degree for s in summed if s is not None)
-            scaling = extreme or (Scaling(degree, e) if degree else None)
+            terms = name != "scatter-add" and all(s is None for s in ins)  # of terms per example
+            scaling = extreme or (Scaling(degree, e, sum=terms) if degree else None)
         elif name == "reduce" and carry_updates.combiner(e) in ("add", "add_any"):  # lax.reduce(x, 0., add)
             scaling = extreme or Scaling(1 + sum(s.degree for s in ins if s is not None), e)
         elif name == "reduce" and carry_updates.combiner(e) in ("max", "min"):
@@ -168,7 +174,12 @@ def _eqn(
         magnitudes = [None if _is_index(e, a) else s for a, s in zip(e.invars, ins, strict=True)]
         degree = _degree(e, [0.0 if s is None else s.degree for s in magnitudes])
         origin = next((s.origin for s in magnitudes if s is not None), e)
-        scaling = Scaling(degree, origin) if degree else None
+        sums = [s is not None and s.sum for s in ins]
+        free = [
+            s is None and (compat.is_literal(a) or a not in tainted)
+            for a, s in zip(e.invars, ins, strict=True)
+        ]
+        scaling = Scaling(degree, origin, sum=sums_over_examples.linear(e, sums, free)) if degree else None
     return [scaling] * n
 
 
@@ -201,9 +212,9 @@ def _through(
     loop, their_loop = compat.scan_loop(e), compat.scan_loop(other)
     if loop is not None and their_loop is not None:
         if their_loop.length == loop.length:
-            return _settle(loop, their_loop.body, ins, taint, carried, nmb)
+            return _settle(loop, their_loop.body, ins, taint, carried, nmb, e.invars)
         if their_loop.length == loop.length * nmb:
-            return _over_examples(loop, their_loop.body, ins, taint, e, nmb)
+            return _over_examples(loop, their_loop.body, ins, taint, e, nmb, e.invars)
         return None
     mine, their_while = compat.while_body(e), compat.while_body(other)
     if mine is not None and their_while is not None:
@@ -214,8 +225,8 @@ def _through(
             s is not None and s.origin is e for s in ins
         )  # the trip count follows the batch: a batch-size literal in the predicate or the carries
         if count:
-            return _over_examples(loop, their_body, ins[skip:], taint[skip:], e, nmb)
-        return _settle(loop, their_body, ins[skip:], taint[skip:], carried, nmb)
+            return _over_examples(loop, their_body, ins[skip:], taint[skip:], e, nmb, e.invars[skip:])
+        return _settle(loop, their_body, ins[skip:], taint[skip:], carried, nmb, e.invars[skip:])
     if not (compat.is_call(e) or compat.remat_body(e) is not None or e.primitive.name in _CUSTOM):
         return None  # e.g. a lax.reduce's combiner: not a body over the operands
     body, their_body = compat.operand_body(e), compat.operand_body(other)
@@ -264,10 +275,12 @@ def _settle(
     taint: list[bool],
     carried: list[bool],
     nmb: int,
+    operands: Sequence[Any],
 ) -> list[Scaling | None] | None:
-    """A loop that runs as often for a microbatch as for the batch (a layer stack): its
-    carries' scalings grown to a fixed point over iterations (``carried``: which carries leave
-    it computed from the examples)."""
+    """A loop that runs as often for a microbatch as for the batch (a layer stack, chunks of the
+    sequence): its carries' scalings grown to a fixed point over iterations (``carried``: which
+    carries leave it computed from the examples; ``operands``: the atoms ``ins`` are of). A carry
+    that adds up sums over the examples from zero is one."""
     carries = slice(loop.num_consts, loop.num_consts + loop.num_carry)
     ins, taint = list(ins), list(taint)
     taint[carries] = [a or b for a, b in zip(taint[carries], carried[: loop.num_carry], strict=True)]
@@ -278,16 +291,23 @@ def _settle(
         outs = [_get(found, v) for v in loop.body.outvars]
         grown = [_merge(a, b) for a, b in zip(ins[carries], outs[: loop.num_carry], strict=True)]
         if [_kind(a) for a in grown] == [_kind(a) for a in ins[carries]]:
-            return outs
+            return _running_sums(loop, outs, operands, found, per_example=False)
         ins[carries] = grown
     return None
 
 
 def _over_examples(
-    loop: compat.Loop, theirs: Any, ins: list[Scaling | None], taint: list[bool], e: Any, nmb: int
+    loop: compat.Loop,
+    theirs: Any,
+    ins: list[Scaling | None],
+    taint: list[bool],
+    e: Any,
+    nmb: int,
+    operands: Sequence[Any],
 ) -> list[Scaling | None] | None:
     """A loop whose trip count follows the batch (over its examples or chunks of them): a
-    carry it adds to is a sum over the examples, one it takes a max or min of is extreme."""
+    carry it adds to is a sum over the examples (of terms per example, from zero: one in the
+    sense of :attr:`Scaling.sum`), one it takes a max or min of is extreme."""
     found = _body(loop.body, theirs, ins, taint, nmb, iterating=True)
     if found is None:
         return None
@@ -307,7 +327,26 @@ def _over_examples(
             outs.append(Scaling(0.0, q, extreme=True))
         else:
             outs.append(Scaling(0.0, e, unknown=True))
-    return outs + [_get(found, v) for v in loop.body.outvars[loop.num_carry :]]
+    outs += [_get(found, v) for v in loop.body.outvars[loop.num_carry :]]
+    return _running_sums(loop, outs, operands, found, per_example=True)
+
+
+def _running_sums(
+    loop: compat.Loop, outs: list[Scaling | None], operands: Sequence[Any], found: Found, per_example: bool
+) -> list[Scaling | None]:
+    """``outs`` (a loop's results' scalings; ``found``: its body's) with its running sums from
+    zero of terms per example (``per_example``: a loop over the examples) or of sums over them
+    marked sums over the examples (:attr:`Scaling.sum`)."""
+
+    def term(t: Any) -> bool:
+        s = _get(found, t)
+        return s is None if per_example else s is not None and s.sum
+
+    degree_one = [s is not None and s.degree == 1 and not (s.extreme or s.unknown) for s in outs]
+    sums = sums_over_examples.running_sums(loop, operands, degree_one, term)
+    return [
+        dataclasses.replace(s, sum=True) if s is not None and k in sums else s for k, s in enumerate(outs)
+    ]
 
 
 def batch_literals(cond: Any, theirs: Any, nmb: int) -> bool:
@@ -329,7 +368,10 @@ def _merge(*scalings: Scaling | None) -> Scaling | None:
         hit = next((s for s in known if getattr(s, flag)), None)
         if hit is not None:
             return hit
-    return max(known, key=lambda s: abs(s.degree), default=None)
+    top = max(known, key=lambda s: abs(s.degree), default=None)
+    if top is not None and top.sum and not (len(known) == len(scalings) and all(s.sum for s in known)):
+        top = dataclasses.replace(top, sum=False)  # a sum only where every one is
+    return top
 
 
 def _kind(s: Scaling | None) -> tuple[float, bool, bool] | None:

@@ -221,10 +221,9 @@ def _require_means(
     the scalings of the region's inputs), dividing by no sum over the examples of the model's
     values (``model_inputs``: the region's inputs that are the model's or drawn; ``read_whole``:
     the statistics every microbatch reads whole, constants here); returns the float ones found
-    to be, and those that are sums over the examples of terms per example (:func:`_summed`)."""
+    to be, and those that are sums over the examples of terms per example (``Scaling.sum``)."""
     found = batch_scaling.scalings(rj.eqns, twin, tainted, nmb, given, read_whole)
     model = _model_values(rj, model_inputs)
-    producer = {v: e for e in rj.eqns for v in e.outvars}
     summed: set[Any] = set()
     for rv, i in averaged.items():
         scaling = found.get(rv) if batch_scaling.is_float(rv) else None
@@ -271,7 +270,7 @@ def _require_means(
                 "the whole batch's. Make it per example (jax.vmap the computation over the "
                 f"examples), {fix}"
             )
-        if scaling.degree == 1 and _summed(rv, producer, found, tainted):
+        if scaling.degree == 1 and scaling.sum:
             summed.add(rv)
             continue
         grows = (
@@ -292,41 +291,6 @@ def _require_means(
         )
     _require_divisors_of_the_batch(rj, twin, found, averaged, nmb, model)
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}, summed
-
-
-_SAME = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"})
-
-
-def _summed(v: Any, producer: Mapping[Any, Any], found: batch_scaling.Found, tainted: Set[Any]) -> bool:
-    """Whether ``v`` is a sum over the examples of terms per example, every term of it (sums
-    of such sums, times or divided by what no example makes: ``0.5 * losses.sum() / C``), so
-    that the microbatches' values add up to the whole batch's. A term added that is no such sum
-    (a regulariser, a mean) would be added once per microbatch: not summed."""
-    scaling = None if compat.is_literal(v) else found.get(v)
-    if scaling is None or scaling.degree != 1 or scaling.extreme or scaling.unknown or v not in producer:
-        return False  # each part a sum of degree 1 (not a mean: a sum divided by the batch size)
-    e = producer[v]
-    name = e.primitive.name
-
-    def free(a: Any) -> bool:  # made from no example and scaled by nothing of the batch
-        return compat.is_literal(a) or (a not in tainted and a not in found)
-
-    if layers.is_boundary(e):
-        return _summed(e.invars[e.outvars.index(v)], producer, found, tainted)
-    if name in _SAME:
-        return _summed(e.invars[0], producer, found, tainted)
-    if name in ("add", "sub", "add_any"):
-        return all(_summed(a, producer, found, tainted) for a in e.invars)
-    if name == "mul":
-        a, b = e.invars
-        return (_summed(a, producer, found, tainted) and free(b)) or (
-            _summed(b, producer, found, tainted) and free(a)
-        )
-    if name == "div":
-        return _summed(e.invars[0], producer, found, tainted) and free(e.invars[1])
-    return name in ("reduce_sum", "dot_general") and all(
-        compat.is_literal(a) or a not in found for a in e.invars
-    )
 
 
 def _meets_examples(rj: Any, twin: Mapping[int, Any], origin: Any) -> bool:
