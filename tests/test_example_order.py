@@ -463,6 +463,31 @@ def test_positions_in_the_batch_read_as_numbers_are_an_error_with_microbatches(s
     _assert_refused_with_microbatches(step, r"positions in (the batch|their microbatch)")
 
 
+def _class_token(z, reps=lambda n: (n, 1)):
+    """A class token tiled to the batch and joined to each example's values, as ViT's and CLIP's
+    code write it (``jnp.tile(cls, (b, 1, 1))``), then read with them."""
+    token = jnp.tile(
+        jnp.full((1, 1), 0.5) if reps(1)[0] == 1 else jnp.array([[0.5], [1.5]]), reps(z.shape[0])
+    )
+    h = jnp.concatenate([token, z], axis=1)
+    return h[:, 1:] * h[:, :1]
+
+
+def test_a_row_tiled_to_the_batch_equals_jit_with_microbatches():
+    """A tile that repeats one row along the batch is the same in every row: no position."""
+    state, batches = _setup()
+    assert_same_as_jit(
+        _step(on_logits=_class_token), state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4
+    )
+
+
+def test_rows_tiled_to_the_batch_in_turn_are_an_error_with_microbatches():
+    """Two rows tiled in turn along the batch: which one an example meets is its position."""
+    _assert_refused_with_microbatches(
+        _step(on_logits=lambda z: _class_token(z, reps=lambda n: (n // 2, 1))), r"positions in the batch"
+    )
+
+
 def _low_discrepancy_times(losses):
     """VDM's low-discrepancy times, one per row, made a line before they weigh the losses."""
     times = jnp.mod(0.3 + jnp.arange(losses.shape[0]) / losses.shape[0], 1.0)

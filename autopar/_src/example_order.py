@@ -63,6 +63,15 @@ _DRAWS = ("random_", "threefry")
 """Prefixes of the primitives that draw random values: a dropout mask's rows are not positions."""
 
 
+def _broadcasts(e: Any) -> bool:
+    """Whether ``e`` is a ``tile`` that repeats only dims of length 1 (``jnp.tile(cls, (b, 1, 1))``
+    of a class token): a broadcast, the same along every dim it makes longer."""
+    if e.primitive.name != "tile":
+        return False
+    shape = e.invars[0].aval.shape
+    return all(r == 1 or n == 1 for n, r in zip(shape, e.params["reps"], strict=False))
+
+
 class _Walk(sort_permutations.Orders):
     def __init__(self, nmb: int) -> None:
         super().__init__(nmb)
@@ -159,10 +168,11 @@ class _Walk(sort_permutations.Orders):
         if name.startswith("scatter") and self._scatter(e, other, checked):
             return
         found = self._common(e, [a for a, per in zip(e.invars, ins, strict=True) if per], checked)
-        made = not any(ins) and name not in _KEEPING and not name.startswith(_DRAWS)
+        keeps = name in _KEEPING or _broadcasts(e)
+        made = not any(ins) and not keeps and not name.startswith(_DRAWS)
         if made and name in _PLACING and self.differ and self.placed is None and any(outs):
             self.placed = e
-        if found == ANY and name not in _KEEPING and not self.picks_no_example(e, other):
+        if found == ANY and not keeps and not self.picks_no_example(e, other):
             found = BATCH  # made from no example, but maybe not the same along the batch: positions
         naming = name in _NAMING or (name == "convert_element_type" and integer(e.outvars[0]))
         order = ROWS if found == ROWS and naming else (BATCH if found == ROWS else found)

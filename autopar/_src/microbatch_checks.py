@@ -98,7 +98,6 @@ def per_example_outputs(
     example_mixing.require_examples_apart_in_loss(step, whole, num_microbatches, set(stats.values))
     example_order.require_batch_order_in_loss(step, whole, num_microbatches, set(stats.values))
     averaged = [i for i in range(1 + num_aux) if i not in dims]
-    share_scaling.require_linear_in_shares(step, stats, averaged)
     _require_batch_free_once_per_step((step, whole), seeds, num_microbatches, figures, drawn)
     summed = output_checks.require_combinable(
         step,
@@ -109,6 +108,7 @@ def per_example_outputs(
         set(stats.values) | stats.unshared,
         set(stats.values) - set(stats.shares),
     )
+    share_scaling.require_linear_in_shares(step, stats, averaged)
     return dims, stats, summed
 
 
