@@ -443,6 +443,37 @@ def test_sharpness_aware_minimization_pipelines_its_second_gradient(first):
     assert len(par.plan(params, batches[0]).stages) == 2
 
 
+def test_a_gradient_taken_with_jax_grad_before_the_pipelined_one_equals_jit_over_microbatches():
+    """A GAN's discriminator step by ``jax.grad`` on the batch and the parameters alone, before the
+    generator's pipelined gradient reads the new discriminator: made once per step at the whole
+    batch, its mean's ``1 / n`` included (the discriminator returned is ``jax.jit``'s, not
+    stepped by the sum of the microbatches' gradients)."""
+
+    def step(state, batch):
+        x, z = batch["x"], batch["z"]
+
+        def d_loss(d):
+            real, fake = x @ d["w"] + d["b"], (z @ state["g"]) @ d["w"] + d["b"]
+            return jnp.mean(jax.nn.softplus(-real)) + jnp.mean(jax.nn.softplus(fake))
+
+        d_new = jax.tree.map(lambda p, g: p - 0.1 * g, state["d"], jax.grad(d_loss)(state["d"]))
+        loss, g = autopar.value_and_grad(
+            lambda w: jnp.mean(jax.nn.softplus(-((z @ w) @ d_new["w"] + d_new["b"])))
+        )(state["g"])
+        return {"g": state["g"] - 0.1 * g, "d": d_new}, loss
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    state = {
+        "g": jax.random.normal(keys[0], (4, 8)),
+        "d": {"w": jax.random.normal(keys[1], (8, 1)), "b": jnp.zeros((1,))},
+    }
+    batches = [
+        {"x": jax.random.normal(k, (16, 8)), "z": jax.random.normal(jax.random.fold_in(k, 1), (16, 4))}
+        for k in keys[2:]
+    ]
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4)
+
+
 def test_lbfgs_evaluating_the_loss_again_in_its_update_equals_jit_over_microbatches():
     """``optax.lbfgs``'s line search calls the loss function again, on the batch, after the
     gradient: that runs once per step at the whole batch, while the gradient is pipelined."""

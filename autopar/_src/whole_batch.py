@@ -18,7 +18,7 @@ size, the two traces have the same equations, differing in shapes alone. The twi
 
 Equations before the gradient that feed both the loss and such code run per microbatch for the
 first, and once more at the whole batch for the second; so do the fills in the batch's shape they
-read (the constant ``jnp.where`` broadcasts).
+read (the constant ``jnp.where`` broadcasts) and the figures of its size (a mean's ``1 / n``).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ class WholeBatchCode:
     value."""
     fills: tuple[int, ...] = ()
     """Once-per-step equations before the grad region that make a value in the batch's shape
-    from no value of the batch (``jnp.where``'s broadcast constant) that the equations above read:
-    made again at the whole batch's shape, beside the microbatches' own."""
+    from no value of the batch (``jnp.where``'s broadcast constant), or from its size (the ``1 /
+    n`` that ``jax.grad`` seeds a mean's backward with), that the equations above read: made
+    again at the whole batch, beside the microbatches' own."""
 
     def __contains__(self, index: int) -> bool:
         return index in self.after or index in self.again or index in self.before
@@ -138,18 +139,26 @@ def find(
     if twin_of is not None:
         assert whole is not None
         made_at = {v: i for i in range(at) for v in _outs(eqns[i])}
+        # Once-per-step values that differ at the whole batch: in its shape, or made from its size.
+        changed: set[Any] = set()
+        for i in range(at):
+            e, t = eqns[i], whole.jaxpr.eqns[i]
+            if any(a in per_microbatch for a in _vars_in(e)):
+                continue
+            if (
+                str(e) != str(t)
+                or not all(_same_aval(v, w) for v, w in zip(e.outvars, t.outvars, strict=True))
+                or any(a in changed for a in _vars(e.invars))
+            ):
+                changed.update(_outs(e))
         stack = [a for i in [*again, *after] for a in _vars(eqns[i].invars)]
         while stack:
             i = made_at.get(stack.pop(), -1)
             if i < 0 or i in fills or i in moved or i in again:
                 continue
-            if any(a in per_microbatch for a in _vars_in(eqns[i])):
-                continue
-            theirs = whole.jaxpr.eqns[i].outvars
-            if all(_same_aval(v, w) for v, w in zip(eqns[i].outvars, theirs, strict=True)):
-                continue
-            fills.add(i)
-            stack.extend(_vars(eqns[i].invars))
+            if any(v in changed for v in _outs(eqns[i])):
+                fills.add(i)
+                stack.extend(_vars(eqns[i].invars))
     indices = sorted([*moved, *again, *after, *fills])
     if whole is None:
         return WholeBatchCode(frozenset(after), tuple(sorted(again)), frozenset(), {}, {}, {})
