@@ -527,3 +527,36 @@ def test_a_mask_is_drawn_split_over_the_data_axis_each_device_making_its_rows(nu
     else:  # threefry of the microbatch's counters, inside the call that reads its index
         specs = [p.spec for k, p in exe._inner_pins(0).items() if k.var.aval.shape == (rows, 16, 64)]
     assert specs and all(spec == jax.sharding.PartitionSpec("data", None, None) for spec in specs)
+
+
+def _masked_patches(x, key, fixed):
+    """MAE's mask over each example's patches: ``keep`` of them at places a random permutation
+    picks (``fixed``), or each patch kept with probability 1/4."""
+    b, patches = x.shape[0], x.shape[1]
+    if not fixed:
+        return jax.random.bernoulli(key, 0.75, (b, patches)).astype(jnp.float32)
+    ids = jnp.argsort(jax.random.uniform(key, (b, patches)), axis=1)
+    return (jnp.argsort(ids, axis=1) >= patches // 4).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["permuted-count-fixed", "bernoulli-count-drawn"])
+def test_a_loss_divided_by_a_drawn_masks_count_equals_jit_where_every_draw_counts_the_same(fixed):
+    """MAE's loss ``sum(l * mask) / sum(mask)``: the count of masked patches is the same for every
+    draw (each example masks as many), so each microbatch's is its share and the loss is
+    ``jax.jit``'s. A count that changes with the draw is each microbatch's own: an error."""
+
+    def loss_fn(w, x, key):
+        mask = _masked_patches(x, key, fixed)
+        losses = jnp.mean((jnp.tanh(x @ w) - x) ** 2, axis=-1)
+        return jnp.sum(losses * mask) / jnp.sum(mask)
+
+    w = jax.random.normal(jax.random.key(0), (6, 6)) * 0.3
+    batches = [{"x": jax.random.normal(jax.random.key(10 + i), (BATCH, 8, 6))} for i in range(2)]
+    step, state = _keyed_sgd_step(loss_fn), (w, jax.random.key(1))
+    if fixed:
+        assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4)
+        return
+    with pytest.raises(
+        ValueError, match=r"divides by a sum over the examples of what the model computes or draws"
+    ):
+        autopar.autoparallel(step, num_stages=1, num_microbatches=4)(state, batches[0])

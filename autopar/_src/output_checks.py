@@ -13,7 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from autopar._src import batch_scaling, batch_statistics, compat, dependence, layers, twin_traces
+from autopar._src import (
+    batch_scaling,
+    batch_statistics,
+    compat,
+    dependence,
+    fixed_counts,
+    layers,
+    twin_traces,
+)
 from autopar._src.region_outputs import before_boundaries
 from autopar._src.trace import TracedStep
 
@@ -184,6 +192,8 @@ def _require_divisors_of_the_batch(
             for a, b in zip(origin.invars, other.invars, strict=True)
         ):
             continue  # a sum of the batch alone (a token count) or a batch size, scaled by the model
+        if fixed_counts.is_fixed_share(rj.eqns, twin, e.invars[1], nmb):
+            continue  # every draw's the same (MAE's count of masked patches)
         raise ValueError(
             f"The loss function divides by a sum over the examples of what the model computes or "
             f"draws (at {compat.source_line(e)}: {str(e).splitlines()[0]!r}; the sum at "
