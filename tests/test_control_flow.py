@@ -289,3 +289,39 @@ def test_a_layer_stack_whose_body_calls_back_to_python_equals_jit():
         step, ws, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=1, mesh_shape=(2, 4)
     )
     assert seen  # the callback ran
+
+
+class _RecurrentLM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        x = nn.Embed(16, 16)(ids)
+        for i in range(2):
+            x = nn.RNN(nn.OptimizedLSTMCell(16), name=f"lstm{i}")(x)
+        return nn.Dense(16)(x)
+
+
+def test_multisteps_on_one_stage_with_many_parameters_laid_out_anew_between_steps_equals_jit():
+    """The parameters and the accumulated gradients come back from a step in the per-parameter
+    updates' layouts and are laid out anew for the next step, by one all-gather each. On the CPU
+    (jaxlib 0.10) such relayouts dispatched one behind another could wait forever for a device
+    that ran them in another order (the process aborted); each now finishes before the next."""
+    model = _RecurrentLM()
+    rng = np.random.default_rng(0)
+    batches = [{"ids": jnp.asarray(rng.integers(1, 16, (8, 10)))} for _ in range(3)]
+    tx = optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), OPTIMIZERS["adamw"]()), every_k_schedule=2
+    )
+    params = model.init(jax.random.key(0), batches[0]["ids"])["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+    def step(state, batch):
+        x, y = batch["ids"][:, :-1], batch["ids"][:, 1:]
+
+        def loss_fn(p):
+            logits = state.apply_fn({"params": p}, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = autopar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    assert_same_as_jit(step, state, batches, TOLERANCES["adamw"], num_stages=1, num_microbatches=1)

@@ -133,7 +133,13 @@ class Resharder:
         key = (target, tuple(x.shape), str(x.dtype))
         if key not in self._fns:
             self._fns[key] = jax.jit(lambda a: a, out_shardings=target)
-        return self._fns[key](x)
+        out = self._fns[key](x)
+        if all(d.platform == "cpu" for d in target.device_set):
+            # XLA's CPU collectives (jaxlib 0.10) can wait forever when relayouts (all-gathers)
+            # dispatched one behind another run in different orders on different devices: the
+            # process aborts after 40 s. Each finishes before the next is dispatched.
+            out.block_until_ready()
+        return out
 
     def move(self, x: Any, route: Route) -> Any:
         """Sends ``x`` (laid out as ``route.src``) along ``route``; asynchronous like ``device_put``."""
