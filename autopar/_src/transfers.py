@@ -134,7 +134,7 @@ class Resharder:
         if key not in self._fns:
             self._fns[key] = jax.jit(lambda a: a, out_shardings=target)
         out = self._fns[key](x)
-        if all(d.platform == "cpu" for d in target.device_set):
+        if target.mesh.devices.flat[0].platform == "cpu":
             # XLA's CPU collectives (jaxlib 0.10) can wait forever when relayouts (all-gathers)
             # dispatched one behind another run in different orders on different devices: the
             # process aborts after 40 s. Each finishes before the next is dispatched.
