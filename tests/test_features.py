@@ -190,7 +190,9 @@ def test_a_row_per_example_kept_outside_the_batch_is_an_error_naming_it_with_mic
 
     state, batch = {"w": w, "carry": jnp.zeros((8, 4))}, {"x": jnp.ones((8, 4))}
     with pytest.raises(
-        ValueError, match=r"outside the batch have 8 rows too \(args\[0\]\['carry'\]\).*pass it in"
+        ValueError,
+        match=r"At 8 rows it traces\. Arrays outside the batch have 8 rows too \(args\[0\]\['carry'\]\)"
+        r".*pass it in.* Otherwise it takes the batch size from elsewhere",
     ):
         autopar.autoparallel(step, num_stages=1, num_microbatches=4)(state, batch)
     assert_same_as_jit(step, state, [batch], TOLERANCES["sgd"], num_stages=1, num_microbatches=1)

@@ -62,12 +62,16 @@ def trace_at(
     except Exception as e:
         at(full)  # the batch's own error, where it fails there too
         outside = _rows_outside(args, ids, full)
+        written = (
+            "takes the batch size from elsewhere than the batch's shapes (a number written in the "
+            "code, as in x.reshape(8 * seq, d)). Read it from the arrays' shapes (x.reshape(-1, d), "
+            "x.shape[0]), or use num_microbatches=1."
+        )
+        why = f"{outside} Otherwise it {written}" if outside else f" So it {written}"
         raise ValueError(
             f"The step fails when traced with {rows} rows in place of the batch's {full}, as autopar "
             f"traces it (one microbatch, or a probe of the layers' costs): {type(e).__name__}: {e} "
-            f"At {full} rows it traces, so it takes the batch size from elsewhere than the batch's "
-            "shapes (a number written in the code, as in x.reshape(8 * seq, d)). Read it from the "
-            f"arrays' shapes (x.reshape(-1, d), x.shape[0]), or use num_microbatches=1.{outside}"
+            f"At {full} rows it traces.{why}"
         ) from e
 
 
