@@ -412,35 +412,80 @@ class Regressor(nn.Module):
         return nn.Dense(1)(x)[:, 0]
 
 
-@pytest.mark.parametrize("first", ["autopar", "jax"])
+@pytest.mark.parametrize("first", ["autopar", "jax", "jax-sum"])
 def test_sharpness_aware_minimization_pipelines_its_second_gradient(first):
     """SAM's step takes two gradients, the second at weights moved along the first. autopar
     pipelines one: two are an error naming the way out, which is to take the first with
-    ``jax.grad``; it then runs outside the pipeline on the whole batch, equal to ``jax.jit``."""
+    ``jax.grad``; it then runs outside the pipeline, once per step on the whole batch, and every
+    microbatch differentiates at the moved weights: equal to ``jax.jit``. Moved by a step
+    proportional to the gradient of a sum over the examples (a figure each microbatch would take
+    its share of), it is an error with microbatches."""
     net = Regressor()
     params = net.init(jax.random.key(0), jnp.ones((8, 4)))["params"]
 
     def mse(params, batch):
         return jnp.mean((net.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
 
+    def total(params, batch):
+        return jnp.sum((net.apply({"params": params}, batch["x"]) - batch["y"]) ** 2)
+
     def step(params, batch):
-        ascent = (autopar.grad if first == "autopar" else jax.grad)(mse)(params, batch)
+        ascent = {"autopar": autopar.grad(mse), "jax": jax.grad(mse), "jax-sum": jax.grad(total)}[first](
+            params, batch
+        )
         scale = 0.05 / jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(ascent)))
+        if first == "jax-sum":  # not normalised: the moved weights scale with the batch
+            scale = 1e-3
         moved = jax.tree.map(lambda p, g: p + scale * g, params, ascent)
         loss, grads = autopar.value_and_grad(lambda p: mse(p, batch))(moved)
         return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
 
     rng = np.random.default_rng(4)
     batches = [
-        {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.normal(size=8).astype(np.float32)}
+        {"x": rng.normal(size=(16, 4)).astype(np.float32), "y": rng.normal(size=16).astype(np.float32)}
         for _ in range(3)
     ]
     if first == "autopar":
         with pytest.raises(ValueError, match=r"2 times.*sharpness-aware.*jax\.grad"):
             autopar.autoparallel(step, num_stages=2)(params, batches[0])
         return
-    par = assert_same_as_jit(step, params, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=1)
+    if first == "jax-sum":
+        with pytest.raises(ValueError, match=r"code before the gradient combines examples.*sharpness-aware"):
+            autopar.autoparallel(step, num_stages=2, num_microbatches=4)(params, batches[0])
+        return
+    par = assert_same_as_jit(step, params, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
     assert len(par.plan(params, batches[0]).stages) == 2
+
+
+@pytest.mark.parametrize("initialise", ["cond", "where"])
+def test_a_data_dependent_initialisation_of_differentiated_weights_equals_jit_over_microbatches(initialise):
+    """Glow's actnorm sets its bias and log-scale from the first batch's mean and deviation
+    (under a ``cond`` on an initialised flag, or a ``jnp.where``) before they are differentiated:
+    made once per step from the whole batch, as ``jax.jit`` makes them."""
+
+    def step(state, batch):
+        x = batch["x"]
+
+        def ddi(p):
+            return {"b": -x.mean(0), "logs": -jnp.log(x.std(0)), "w": p["w"]}
+
+        if initialise == "cond":
+            p = jax.lax.cond(state["init"], lambda p: p, ddi, state["p"])
+        else:
+            p = jax.tree.map(lambda a, b: jnp.where(state["init"], a, b), state["p"], ddi(state["p"]))
+
+        def loss_fn(p):
+            return jnp.mean(jnp.tanh(((x + p["b"]) * jnp.exp(p["logs"])) @ p["w"]) ** 2)
+
+        loss, g = autopar.value_and_grad(loss_fn)(p)
+        return {"p": jax.tree.map(lambda a, b: a - 0.1 * b, p, g), "init": jnp.array(True)}, loss
+
+    state = {
+        "p": {"b": jnp.zeros(4), "logs": jnp.zeros(4), "w": jnp.ones((4, 2)) * 0.5},
+        "init": jnp.array(False),
+    }
+    batches = [{"x": jax.random.normal(jax.random.key(i), (16, 4)) * 3 + 1} for i in range(3)]
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4)
 
 
 def test_a_gradient_taken_with_jax_grad_before_the_pipelined_one_equals_jit_over_microbatches():

@@ -104,7 +104,8 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
     differentiated = set(rj.invars[len(rj.invars) - info.num_grads :])
     free = [v for v in inputs if v not in differentiated]
     from_batch = {v for v in free if not compat.is_literal(outer[v]) and outer[v] in pre.batch_only}
-    if not from_batch:
+    moved = [v for v in differentiated if not compat.is_literal(outer[v]) and outer[v] in pre.batch_only]
+    if not from_batch and not moved:
         return NONE
     # The same for every microbatch, and not differentiated: constants, a class-weight table in
     # the state (the model's parameters are differentiated; what the step makes from the batch
@@ -172,6 +173,17 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
             found_before.update(
                 (a, None) for a in batch_scaling.reads_as_figure(e, whole_before) if is_statistic_before(a)
             )
+    # A differentiated input made from the batch before the region (the weights moved along the
+    # gradient of the batch's loss: sharpness-aware minimisation's ascent), a mean or a figure of
+    # the whole batch (degree 0), is made once per step from the whole batch, as jax.jit makes it,
+    # and every microbatch differentiates at it; the region's analysis takes it as the model's.
+    found_before.update(
+        (o, None)
+        for v in differentiated
+        if not compat.is_literal(o := outer[v])
+        and is_statistic_before(o)
+        and not _scaled(pre.scalings.get(o))
+    )
     if not found and not found_before:
         return NONE
     # Boundaries pass values on as they are (a count made before a cut, cast after it).
@@ -201,6 +213,11 @@ def find(step: TracedStep, whole: TracedStep, batch_vars: Set[Any], nmb: int) ->
         return NONE
     unshared = {v for v in returned if degrees[v] and not batch_scaling.is_float(v)}
     return _made_once(step, whole, {**pre.twin, **twin}, degrees, nmb, pre.fixed, unshared)
+
+
+def _scaled(s: batch_scaling.Scaling | None) -> bool:
+    """Whether a value that scales as ``s`` has a share other than itself (a sum: degree 1)."""
+    return s is not None and (s.unknown or (not s.extreme and s.degree != 0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,9 +109,10 @@ def _combined_before_the_gradient(found: Any, where: str, nmb: int) -> ValueErro
         "values as mixup's partner, a statistic of more than the batch alone, rows picked by "
         "indices read from the batch, which number the whole batch's rows, rows of a Python "
         "loop over the batch combined with others, a gradient taken with jax.grad before "
-        "autopar's of a loss that reads draws or moves the weights autopar differentiates: a GAN "
-        "discriminator's on generated samples, sharpness-aware minimization's ascent) would not be "
-        "the whole batch's. Do it in the "
+        "autopar's of a loss that reads draws (a GAN discriminator's on samples generated from "
+        "noise drawn in the step) or that moves the differentiated weights by a sum over the "
+        "examples (sharpness-aware minimization's ascent not normalised)) would not be the whole "
+        "batch's. Do it in the "
         f"data pipeline, or use num_microbatches=1.{inside}{_leading_dim_hint(found)}"
     )
 
