@@ -404,6 +404,12 @@ def test_a_dropless_mixture_of_experts_splits_its_experts_weights_as_megatron_do
     assert all(chosen.strategies[op.outs[0]] != "replicated" for op in ops)
 
 
+class _Generator(nn.Module):
+    @nn.compact
+    def __call__(self, z):
+        return nn.Dense(4)(jnp.tanh(nn.Dense(D)(z)))
+
+
 class Regressor(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -517,6 +523,87 @@ def test_a_gradient_taken_with_jax_grad_before_the_pipelined_one_equals_jit_over
         for k in keys[2:]
     ]
     assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=1, num_microbatches=4)
+
+
+def test_a_discriminator_step_by_jax_grad_with_its_metrics_returned_equals_jit_over_stages():
+    """A Flax GAN: the discriminator's Adam step by ``jax.grad`` before the generator's pipelined
+    gradient, its loss and mean scores returned as metrics. What only the step's outputs read
+    runs again at the whole batch (not per microbatch); the new discriminator weights, made from
+    the batch and the state alone, are made once per step, on the stage that reads them."""
+    gen, disc = _Generator(), Regressor()
+    keys = jax.random.split(jax.random.key(0), 8)
+    g = gen.init(keys[0], jnp.ones((1, 2)))["params"]
+    d = disc.init(keys[1], jnp.ones((1, 4)))["params"]
+    tx = optax.adam(1e-2)
+    state = {"g": g, "d": d, "opt": tx.init(d)}
+
+    def step(state, batch):
+        def d_loss(d):
+            real = disc.apply({"params": d}, batch["x"])
+            fake = disc.apply({"params": d}, gen.apply({"params": state["g"]}, batch["z"]))
+            loss = jnp.mean(jax.nn.softplus(-real)) + jnp.mean(jax.nn.softplus(fake))
+            return loss, (jax.nn.sigmoid(real).mean(), jax.nn.sigmoid(fake).mean())
+
+        (d_loss_value, (d_real, d_fake)), grads = jax.value_and_grad(d_loss, has_aux=True)(state["d"])
+        updates, opt = tx.update(grads, state["opt"], state["d"])
+        d_new = optax.apply_updates(state["d"], updates)
+
+        def g_loss(g):
+            return jnp.mean(
+                jax.nn.softplus(-disc.apply({"params": d_new}, gen.apply({"params": g}, batch["z"])))
+            )
+
+        loss, grads = autopar.value_and_grad(g_loss)(state["g"])
+        new = {"g": jax.tree.map(lambda p, q: p - 0.1 * q, state["g"], grads), "d": d_new, "opt": opt}
+        return new, (loss, {"d_loss": d_loss_value, "d_real": d_real, "d_fake": d_fake})
+
+    batches = [
+        {"x": jax.random.normal(k, (16, 4)) + 1.0, "z": jax.random.normal(jax.random.fold_in(k, 1), (16, 2))}
+        for k in keys[2:5]
+    ]
+    par = autopar.autoparallel(step, num_stages=2, num_microbatches=4)
+    mine = theirs = state
+    for batch in batches:
+        (mine, out), (theirs, expected) = par(mine, batch), jax.jit(step)(theirs, batch)
+        for a, b in zip(jax.tree.leaves((mine, out)), jax.tree.leaves((theirs, expected)), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), **TOLERANCES["adamw"])
+
+
+def test_a_running_mean_of_the_batch_kept_in_the_state_equals_jit_over_stages():
+    """PopArt's running moments of the returns: the state's mean moved by the batch's before the
+    gradient, read by the last stage's loss beside inputs standardised by their batch mean on the
+    first. Made once per step from the whole batch after the state's share on its stage."""
+
+    def step(state, batch):
+        ret = batch["ret"]
+        mu = 0.9 * state["mu"] + 0.1 * ret.mean()
+        nu = 0.9 * state["nu"] + 0.1 * (ret**2).mean()
+        sigma = jnp.sqrt(jnp.maximum(nu - mu**2, 1e-4))
+
+        def loss_fn(p):
+            x = (batch["obs"] - batch["obs"].mean(0)) / (batch["obs"].std(0) + 1e-6)
+            v = (jnp.tanh(x @ p["w1"]) @ p["w2"])[:, 0]
+            return jnp.mean((v - (ret - mu) / sigma) ** 2)
+
+        loss, grads = autopar.value_and_grad(loss_fn)({"w1": state["w1"], "w2": state["w2"]})
+        new = {k: state[k] - 0.05 * grads[k] for k in grads}
+        return {**new, "mu": mu, "nu": nu}, loss
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    state = {
+        "w1": jax.random.normal(keys[0], (6, 32)) * 0.3,
+        "w2": jax.random.normal(keys[1], (32, 1)) * 0.3,
+        "mu": jnp.float32(0.0),
+        "nu": jnp.float32(1.0),
+    }
+    batches = [
+        {
+            "obs": 2 + jax.random.normal(k, (16, 6)),
+            "ret": 5 + 3 * jax.random.normal(jax.random.fold_in(k, 1), (16,)),
+        }
+        for k in keys[2:5]
+    ]
+    assert_same_as_jit(step, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
 
 
 def test_lbfgs_evaluating_the_loss_again_in_its_update_equals_jit_over_microbatches():

@@ -143,8 +143,13 @@ def _require_batch_free_once_per_step(
     eqns = step.jaxpr.eqns
     read = _reading(step, [*(a for e in eqns[at:] for a in e.invars), *step.jaxpr.outvars], figures, True)
     derived = step.derived(seeds[0])
+    # Code per microbatch that feeds the region: what only the step's outputs or the code after
+    # the region read runs again at the whole batch instead.
+    region = _reading(step, list(eqns[at].invars), figures, False)
     per_microbatch = [
-        e for e in eqns[:at] if any(not compat.is_literal(a) and a in derived for a in e.invars)
+        e
+        for e in eqns[:at]
+        if id(e) in region and any(not compat.is_literal(a) and a in derived for a in e.invars)
     ]
     feeding = _reading(step, [a for e in (*per_microbatch, eqns[at]) for a in e.invars], figures, False)
     paired = whole_batch.twins(*steps) is not None

@@ -362,7 +362,19 @@ def build_program(
         readers = [(where[0], e) for where, ops in stage_ops.items() for e in ops]
         readers += [(stage_of[i], eqns[i]) for i in in_forward]
         first = min((st for st, e in readers if any(a in stats.values for a in _eqn_invars(e))), default=0)
-        pre_groups.setdefault((0, first), []).extend(stats.ops)
+        # After the once-per-step values they read (a state's running mean the batch's is added
+        # to), which may be made on another stage.
+        stats_made = {k for op in stats.ops for k in op.outs}
+        lv = max(
+            (
+                made_by[k[0]][0] + (made_by[k[0]][1] != first)
+                for op in stats.ops
+                for k in op.ins
+                if isinstance(k, tuple) and k[1] is None and k not in stats_made and k[0] in made_by
+            ),
+            default=0,
+        )
+        pre_groups.setdefault((lv, first), []).extend(stats.ops)
     for key, f in folded.items():  # on the key's first reader, once the key is made
         st = min(consumer_stages[key])
         made = made_by.get(key)
