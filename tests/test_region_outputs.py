@@ -348,6 +348,14 @@ def test_losses_and_aux_outputs_that_are_sums_over_the_examples_are_added_up_and
             r"pairs the examples with each other and reads the pairs' positions \(at .*test_region_outputs",
         ),
         (lambda losses, y: jnp.sqrt(losses.sum()), None, r"proportional to the batch size to the power 0.5"),
+        # LSQ's gradient scale: the forward unchanged, the backward scaled by 1 / sqrt(x.size).
+        (
+            lambda losses, y: jnp.mean(
+                jax.lax.stop_gradient(losses - losses / np.sqrt(losses.size)) + losses / np.sqrt(losses.size)
+            ),
+            None,
+            r"square root of the batch's size \(at .*test_region_outputs.*x\[0\]\.size",
+        ),
         # Each example's term scaled by a norm over the batch of what the model computes (an
         # adaptive solver's step size): a figure no microbatch makes as the whole batch does.
         (
@@ -388,6 +396,7 @@ def test_losses_and_aux_outputs_that_are_sums_over_the_examples_are_added_up_and
         "loss-pairs-in-custom-vjp",
         "loss-hardest-negative",
         "loss-sqrt-of-sum",
+        "gradient-scale-by-a-root-of-the-size",
         "terms-scaled-by-a-norm",
         "loss-nanmean-of-the-model",
         "loss-batch-dice",

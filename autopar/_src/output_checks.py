@@ -8,6 +8,7 @@ values scale with the batch.)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
@@ -115,6 +116,7 @@ def require_combinable(
     if twin:
         loss = {} if compat.is_literal(rj.outvars[0]) else {rj.outvars[0]: 0}
         _refuse_pairs(rj, twin, {**loss, **combined}, nmb, name)
+        _refuse_roots_of_the_batch_size(rj, twin, nmb)
         # How the values the step passes in scale (a token count made before the loss function).
         # One extreme (the batch's maximum) is the whole batch's in every microbatch, as a
         # statistic (batch_statistics): a constant to them.
@@ -301,6 +303,37 @@ def _require_means(
         )
     _require_divisors_of_the_batch(rj, twin, found, averaged, nmb, model)
     return {rv for rv in averaged if batch_scaling.is_float(rv) and found.get(rv) is None}, summed
+
+
+def _refuse_roots_of_the_batch_size(rj: Any, twin: Mapping[int, Any], nmb: int) -> None:
+    """Raises if an equation of the loss function reads a literal that is the square root of a
+    figure of the batch's size, or its reciprocal (``1 / np.sqrt(x.size)``, LSQ's gradient scale):
+    at one microbatch it is ``sqrt(num_microbatches)`` times another than at the whole batch, so
+    what it scales (a gradient, where it is taken under ``stop_gradient`` and added back) is not
+    ``jax.jit``'s whatever the microbatches' results are combined by."""
+    root = math.sqrt(nmb)
+    for e in rj.eqns:
+        other = twin.get(id(e))
+        if other is None:
+            continue
+        for a, b in zip(e.invars, other.invars, strict=True):
+            if not (compat.is_literal(a) and compat.is_literal(b)):
+                continue
+            try:
+                x, y = float(compat.literal_value(a)), float(compat.literal_value(b))
+            except (TypeError, ValueError):  # arrays, keys
+                continue
+            if x == 0 or x == y or not any(math.isclose(y / x, r, rel_tol=1e-3) for r in (root, 1 / root)):
+                continue
+            raise ValueError(
+                f"The loss function reads a square root of the batch's size (at "
+                f"{compat.source_line(e)}: {str(e).splitlines()[0]!r} for one of "
+                f"num_microbatches={nmb}, {str(other).splitlines()[0]!r} for the batch), such as "
+                "LSQ's gradient scale 1 / sqrt(x.size): with microbatches it would be the "
+                "microbatch's, and what it scales (a gradient taken under stop_gradient) would not be "
+                "the whole batch's. Take it from the sizes of an example's dims (x[0].size), pass it "
+                "in, or use num_microbatches=1."
+            )
 
 
 def _meets_examples(rj: Any, twin: Mapping[int, Any], origin: Any) -> bool:
