@@ -553,3 +553,26 @@ def test_a_python_loop_over_the_rows_in_the_loss_function_is_an_error_that_names
     _assert_refused_with_microbatches(_python_loop_step(reduce), match)
     state, batches = _setup()
     assert_same_as_jit(_losses_by_vmap, state, batches, TOLERANCES["sgd"], num_stages=2, num_microbatches=4)
+
+
+def _capacity_routing(losses):
+    """Sort-based top-1 routing of the examples to 4 experts with a capacity computed from their
+    count (``int(1.25 * n / 4)``), the overflow dropped into a padding row: which examples an
+    expert keeps depends on the whole batch."""
+    n, experts = losses.shape[0], 4
+    e = (jax.lax.stop_gradient(losses) * 7).astype(jnp.int32) % experts
+    order = jnp.argsort(e, stable=True)
+    counts = jnp.bincount(e, length=experts)
+    rank = jnp.arange(n) - (jnp.cumsum(counts) - counts)[e[order]]
+    cap = max(1, int(1.25 * n / experts))
+    slot = jnp.where(rank < cap, e[order] * cap + rank, experts * cap)
+    buf = jnp.zeros(experts * cap + 1).at[slot].set(losses[order])
+    return jnp.mean(buf[slot] ** 2)
+
+
+def test_a_buffer_sized_out_of_proportion_to_the_batch_is_an_error_with_microbatches():
+    _assert_refused_with_microbatches(
+        _step(on_losses=_capacity_routing),
+        r"size follows the batch out of proportion \(at .*test_example_order.*\[5\] for one of "
+        r"num_microbatches=4, .*\[21\] for the batch\).*capacity per sequence",
+    )

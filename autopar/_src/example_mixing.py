@@ -91,6 +91,30 @@ def require_examples_apart(
         raise _combined_before_the_gradient(found, compat.source_line(found), nmb)
 
 
+def _require_in_proportion(e: Any, other: Any, nmb: int) -> None:
+    """Raises if ``e`` (``other``: its twin at the whole batch), reading the examples' values,
+    makes a value whose size follows the batch out of proportion: a dim neither the same at both
+    batch sizes nor ``nmb`` times as long at the whole batch's (a mixture of experts' buffer of a
+    capacity computed from the batch's token count, ``E * int(1.25 * T / E) + 1`` rows). A
+    microbatch's is no part of the whole batch's: what lands in it depends on the whole batch."""
+    for v, w in zip(e.outvars, other.outvars, strict=True):
+        if compat.is_dropvar(v):
+            continue
+        mine, theirs = twin_traces.shape_of(v), twin_traces.shape_of(w)
+        if len(mine) != len(theirs) or all(a == b or b == a * nmb for a, b in zip(mine, theirs, strict=True)):
+            continue
+        raise ValueError(
+            f"The loss function makes a value whose size follows the batch out of proportion (at "
+            f"{compat.source_line(e)}: {str(e).splitlines()[0]!r}; {v.aval.str_short()} for one of "
+            f"num_microbatches={nmb}, {w.aval.str_short()} for the batch), such as a mixture of "
+            "experts' buffer whose capacity is computed from the batch's token count, or a segment "
+            "sum with a padding bucket added to the batch's segments: a microbatch's is no part of "
+            "the whole batch's, so what lands in it (which tokens an expert keeps) would not be "
+            "jax.jit's. Make it per example or per group of examples a microbatch holds whole (a "
+            "capacity per sequence, jax.vmap over the examples), or use num_microbatches=1."
+        )
+
+
 def _combined_before_the_gradient(found: Any, where: str, nmb: int) -> ValueError:
     # Inside the loss function, rows sorted and put back in the batch's order are followed
     # (example_order): a frozen model's forward that sorts (a mixture of experts' dispatch) can go
@@ -173,6 +197,12 @@ def require_examples_apart_in_loss(
     live = twin_traces.feeding_values(rj, rj.outvars[: 1 + num_aux], statistics)
     for e in mine:
         other = twin_traces.reading_twins(e, twin.get(id(e)), twins)
+        if (
+            id(e) in used
+            and other is not None
+            and any(not compat.is_literal(a) and a in data for a in e.invars)
+        ):
+            _require_in_proportion(e, other, nmb)
         found = (
             _mixing(e, other, nmb, within=True, indices=indices, live=live)
             if id(e) in used and other
