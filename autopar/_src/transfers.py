@@ -179,7 +179,7 @@ def copy_blocks(x: jax.Array, recv: NamedSharding) -> jax.Array:
                 received.append(jax.device_put(local[src], device))
             continue
         block = local[src] if src.process_index == mine else _remote(x, src, index)
-        moved = jax.device_put(block, jax.sharding.SingleDeviceSharding(device))
+        moved = jax.device_put(block, jax.sharding.make_single_device_sharding(device))
         if device.process_index == mine:
             # Wait for the block: computations queued on what has not arrived yet fill XLA's
             # queue of computations in flight, and the process could then wait for ever to
@@ -215,7 +215,7 @@ def _remote(x: jax.Array, device: Any, index: tuple[slice, ...]) -> jax.Array:
     """A stand-in for the block of ``x`` that another process holds on ``device``."""
     block = tuple(len(range(*s.indices(n))) for s, n in zip(index, x.shape, strict=True))
     return jax.make_array_from_single_device_arrays(
-        block, jax.sharding.SingleDeviceSharding(device), [], dtype=x.dtype
+        block, jax.sharding.make_single_device_sharding(device), [], dtype=x.dtype
     )
 
 
