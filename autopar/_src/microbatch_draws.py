@@ -261,7 +261,7 @@ def draw(eqn: Any, key: Any, scaled: Scaled, index: Any, alphas: Any = None) -> 
         return _gamma(key, alphas, eqn.params["log_space"], scaled, index)
     if supported(compat.key_impl_name(eqn.invars[0].aval)):
         return _bits(name, eqn.params.get("bit_width", 0), shape, key, scaled, index)
-    whole = eqn.primitive.bind(key, **{**eqn.params, "shape": scaled.whole})
+    (whole, *_) = compat.bind_eqn(eqn.replace(params={**eqn.params, "shape": scaled.whole}), [key])
     at = key.ndim + scaled.dim  # a draw from an array of keys has their dims first
     rows = shape[scaled.dim] // scaled.runs
     runs = whole.reshape(*whole.shape[:at], scaled.runs, -1, *whole.shape[at + 1 :])
