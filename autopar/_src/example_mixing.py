@@ -197,12 +197,6 @@ def require_examples_apart_in_loss(
     live = twin_traces.feeding_values(rj, rj.outvars[: 1 + num_aux], statistics)
     for e in mine:
         other = twin_traces.reading_twins(e, twin.get(id(e)), twins)
-        if (
-            id(e) in used
-            and other is not None
-            and any(not compat.is_literal(a) and a in data for a in e.invars)
-        ):
-            _require_in_proportion(e, other, nmb)
         found = (
             _mixing(e, other, nmb, within=True, indices=indices, live=live)
             if id(e) in used and other
@@ -221,6 +215,16 @@ def require_examples_apart_in_loss(
                 "batch, which number the whole batch's rows) would not be the whole batch's. Do it in "
                 f"the data pipeline, pick per example, or use num_microbatches=1.{_leading_dim_hint(found)}"
             )
+    # Checked last: a value sized out of proportion that no check above names (a roll's slice
+    # is named as taking examples by their place).
+    for e in mine:
+        other = twin_traces.reading_twins(e, twin.get(id(e)), twins)
+        if (
+            id(e) in used
+            and other is not None
+            and any(not compat.is_literal(a) and a in data for a in e.invars)
+        ):
+            _require_in_proportion(e, other, nmb)
 
 
 def _picks_a_row(e: Any, positions: Set[Any]) -> bool:
